@@ -1,0 +1,405 @@
+"""Tests of data.py: readers, prompts, answer extraction and fail-closed scoring, on real cases of each format.
+
+Golds are read from the bundled files by row index and checked against the value written here, so the
+cases are the datasets' own answers, not invented ones. Runs on CPU in a few seconds.
+"""
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import data  # noqa: E402
+
+TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "qwen2.5-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """Bundled rows per task, read once."""
+    return {t: data.load_rows(t)[0] for t in ("gsm8k", "gsm8k_train", "math500", "aime24", "aime25", "amc23")}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR), local_files_only=True)
+
+
+# ----------------------------------------------------------------------------- reading the bundled data
+
+def test_bundled_tasks_load_with_expected_sizes_and_no_skips():
+    for task, n in [("gsm8k", 1319), ("gsm8k_train", 7473), ("math500", 500), ("aime24", 30), ("aime25", 30),
+                    ("amc23", 40)]:
+        got, stats = data.load_rows(task)
+        assert len(got) == n and stats["rows"] == n and stats["read"] == n
+        assert stats["skipped_no_answer"] == stats["skipped_no_question"] == stats["skipped_bad_gold"] == 0
+        assert all(r["question"].strip() and r["gold"] for r in got)
+        assert {r["kind"] for r in got} == {data.TASKS[task]["kind"]}
+
+
+def test_limit_and_seed():
+    first, _ = data.load_rows("math500", limit=5)
+    assert [r["index"] for r in first] == [0, 1, 2, 3, 4]
+    a, _ = data.load_rows("math500", limit=5, seed=1)
+    b, _ = data.load_rows("math500", limit=5, seed=1)
+    c, _ = data.load_rows("math500", limit=5, seed=2)
+    assert a == b and a != c
+
+
+# GSM8K gold lines as they end in the files (split, row index, the answer's last line, parsed gold).
+GSM8K_GOLDS = [
+    ("gsm8k", 0, "#### 18", "18"),
+    ("gsm8k", 146, "#### 2,125", "2125"),            # thousands separator
+    ("gsm8k", 611, "#### 1,450,000", "1450000"),     # two separators
+    ("gsm8k", 1113, "#### -3", "-3"),                # negative
+    ("gsm8k_train", 345, "#### 1,080", "1080"),
+    ("gsm8k_train", 5715, "#### -7", "-7"),
+]
+
+
+@pytest.mark.parametrize("task,index,last_line,gold", GSM8K_GOLDS)
+def test_gsm8k_gold_lines(rows, task, index, last_line, gold):
+    raw = data._read_jsonl(data.TASKS[task]["path"])[index]["answer"]
+    assert raw.splitlines()[-1] == last_line
+    assert data.parse_gold(raw, "gsm8k") == gold
+    assert rows[task][index]["gold"] == gold
+
+
+def test_competition_golds(rows):
+    assert rows["aime24"][7]["gold"] == "025"   # AIME24 answers are zero-padded strings
+    assert rows["aime25"][0]["gold"] == "70"    # AIME25 answers are ints
+    assert rows["amc23"][0]["gold"] == "27"     # AMC23 answers are floats: 27.0
+    assert rows["amc23"][15]["gold"] == "-1"    # -1.0
+    assert data.score("\\boxed{25}", "025", "math")["correct"]
+    assert data.score("\\boxed{025}", "025", "math")["correct"]
+    assert not data.score("\\boxed{250}", "025", "math")["correct"]
+    assert data.score("so the distance is \\boxed{27}.", rows["amc23"][0]["gold"], "math")["correct"]
+    assert data.score("\\boxed{27.0}", "27", "math")["correct"]
+
+
+# ----------------------------------------------------------------------------- GSM8K-style extraction
+
+GSM8K_RESPONSES = [
+    ("She makes 9 * 2 = $18 every day.\nThe answer is \\boxed{18}.", "18"),
+    ("In total he earns \\boxed{\\$1,080}", "1080"),
+    ("So the total cost was $1,450,000.", "1450000"),                 # no box: last number, commas, $
+    ("The average temperature was -7 degrees Fahrenheit.", "-7"),     # negative
+    ("It was 2 - 5 = -3 degrees, so \\boxed{-3}", "-3"),
+    ("10 - 3 = 7, so the answer is 7 dollars", "7"),                  # units
+    ("After the sale she has 12-7", "7"),                             # a minus after a digit subtracts
+    ("The answer is 18.00", "18"),                                    # trailing .00
+    ("\\boxed{+18.0}", "18"),                                         # leading +, trailing .0
+    ("\\boxed{2.50}", "2.5"),
+    ("\\boxed{18 \\text{ dollars}}", "18"),
+    ("\\boxed{1{,}080}", "1080"),                                     # LaTeX thousands separator
+    ("The answer is \\boxed 5", "5"),                                 # \boxed without braces
+    ("First \\boxed{12}, but that was wrong; finally \\boxed{18}.", "18"),   # several boxed: the LAST wins
+    ("Answer: \\boxed{12} ... recheck: \\boxed{1", "12"),             # truncated last box is ignored
+    ("I am not sure how to solve this.", None),                      # no answer at all
+    ("\\boxed{C}", None),                                             # a box without a number
+]
+
+
+@pytest.mark.parametrize("response,expected", GSM8K_RESPONSES)
+def test_gsm8k_extraction(response, expected):
+    assert data.extract_answer(response, "gsm8k") == expected
+
+
+def test_gsm8k_scoring_and_fail_closed():
+    assert data.score("\\boxed{1,080}", "1080", "gsm8k")["correct"]
+    assert data.score("\\boxed{1080.0}", "1080", "gsm8k")["correct"]
+    wrong = data.score("\\boxed{1081}", "1080", "gsm8k")
+    assert wrong == {"reward": 0.0, "correct": False, "format_ok": True, "parse_failed": False, "pred": "1081"}
+    none = data.score("I give up.", "1080", "gsm8k")
+    assert none["reward"] == 0.0 and none["parse_failed"] and none["pred"] is None
+    # An unparsable gold scores 0, never 1, even when the response holds the "right" number.
+    for bad_answer in ["She makes 18 dollars.", "#### eighteen", "####"]:
+        gold = data.parse_gold(bad_answer, "gsm8k")
+        assert gold is None
+        s = data.score("\\boxed{18}", gold, "gsm8k", format_weight=0.0)
+        assert s["reward"] == 0.0 and not s["correct"] and s["parse_failed"]
+    s = data.score("\\boxed{18}", "not a number", "gsm8k")
+    assert s["reward"] == 0.0 and s["parse_failed"]
+
+
+# ----------------------------------------------------------------------------- MATH-style extraction and scoring
+
+def test_math_extraction():
+    assert data.extract_answer("so $p = \\boxed{\\frac{1}{2}}$.", "math") == "\\frac{1}{2}"   # nested braces
+    r = "are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$"          # MATH-500 row 0's own solution ending
+    assert data.extract_answer(r, "math") == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert data.extract_answer("\\boxed{\\frac{1}{3}} no, \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
+    assert data.extract_answer("\\fbox{7}", "math") == "7"
+    assert data.extract_answer("\\boxed{} then \\boxed{x^{2}}", "math") == "x^{2}"  # empty boxes don't count
+    assert data.extract_answer("The answer is 1/2.", "math") is None   # math answers must be boxed
+
+
+def test_math500_solutions_boxed_answer_matches_gold(rows):
+    """Every MATH-500 solution's last \\boxed{} is scored correct against the row's gold (same formatting family)."""
+    raw = data._read_jsonl(data.TASKS["math500"]["path"])
+    sample = raw[::25]   # 20 rows spread over subjects and levels
+    results = [data.score(r["solution"], r["answer"], "math") for r in sample]
+    assert all(s["correct"] and not s["parse_failed"] for s in results), \
+        [(r["answer"], s["pred"]) for r, s in zip(sample, results) if not s["correct"]]
+
+
+# (MATH-500 row index, gold as in the file, response, correct?)
+MATH_CASES = [
+    (219, "\\frac{1}{2}", "\\boxed{0.5}", True),                      # fraction vs decimal
+    (219, "\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}", True),
+    (219, "\\frac{1}{2}", "\\boxed{1/2}", True),
+    (219, "\\frac{1}{2}", "\\boxed{0.6}", False),
+    (2, "\\frac{14}{3}", "\\boxed{\\frac{28}{6}}", True),
+    (2, "\\frac{14}{3}", "\\boxed{4.67}", False),                      # rounded decimal is not equal
+    (103, "(3,4]", "\\boxed{(3, 4]}", True),                         # intervals: open/closed ends matter
+    (103, "(3,4]", "\\boxed{(3,4)}", False),
+    (383, "x \\in [-2,7]", "\\boxed{[-2,7]}", True),
+    (383, "x \\in [-2,7]", "\\boxed{[-2, 7)}", False),
+    (435, "(-\\infty, 2) \\cup (3, \\infty)", "\\boxed{(-\\infty,2)\\cup(3,\\infty)}", True),
+    (435, "(-\\infty, 2) \\cup (3, \\infty)", "\\boxed{(-\\infty,3)\\cup(2,\\infty)}", False),
+    (227, "\\text{(C)}", "\\boxed{\\text{(C)}}", True),
+    (227, "\\text{(C)}", "\\boxed{\\text{(D)}}", False),
+    (459, "\\$18.90", "\\boxed{18.9}", True),
+    (198, "10,\\!080", "\\boxed{10080}", True),                      # LaTeX thousands in the gold
+    (198, "10,\\!080", "\\boxed{10,080}", True),
+    (16, "-50", "\\boxed{-50}", True),                               # negative
+    (16, "-50", "\\boxed{50}", False),
+    (16, "-50", "First \\boxed{-50}, no wait: \\boxed{50}", False),   # several boxed: the last wins
+    (16, "-50", "First \\boxed{50}, no wait: \\boxed{-50}", True),
+]
+
+
+@pytest.mark.parametrize("index,gold,response,correct", MATH_CASES)
+def test_math_scoring_on_math500_golds(rows, index, gold, response, correct):
+    assert rows["math500"][index]["gold"] == gold
+    s = data.score(response, gold, "math")
+    assert s["correct"] is correct and not s["parse_failed"]
+    assert s["reward"] == (1.0 if correct else 0.0)
+
+
+def test_math_fail_closed():
+    # No answer in the response.
+    s = data.score("I could not finish.", "\\frac{1}{2}", "math", format_weight=0.5)
+    assert s["reward"] == 0.0 and s["parse_failed"] and not s["correct"]
+    # Gold missing, or golds that math-verify cannot parse (the last two are real MATH 12k train answers):
+    # 0 even for a response that repeats them exactly, and counted as a parse failure.
+    for gold in [None, "}{", "a + b + c", "\\sin^2 t"]:
+        s = data.score(f"\\boxed{{{gold}}}", gold, "math")
+        assert s["reward"] == 0.0 and not s["correct"] and s["parse_failed"], gold
+    # A response that cannot be parsed.
+    s = data.score("\\boxed{}}{}", "5", "math")
+    assert s["reward"] == 0.0 and not s["correct"]
+
+
+# Real MATH 12k train golds that math-verify alone cannot parse: LaTeX thousands and a trailing period.
+MATH12K_GOLDS = [
+    ("\\dfrac{2469}{20,\\!000}", "\\boxed{0.12345}"),
+    ("\\frac{12}{5,\\!525}", "\\boxed{\\frac{24}{11050}}"),
+    ("30^\\circ.", "\\boxed{30^\\circ}"),
+    ("7\\text{ hours}.", "\\boxed{7}"),
+]
+
+
+@pytest.mark.parametrize("gold,response", MATH12K_GOLDS)
+def test_math12k_golds_that_need_cleaning(gold, response):
+    s = data.score(response, gold, "math")
+    assert s["correct"] and not s["parse_failed"]
+
+
+def test_math_fallback_without_math_verify(monkeypatch):
+    monkeypatch.setattr(data, "math_verify", None)
+    assert data.math_equal("\\frac{1}{2}", "\\dfrac{1}{2}") == (True, True)
+    assert data.math_equal("27", "27.0") == (True, True)
+    assert data.math_equal("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})") == (True, True)
+    assert data.math_equal("\\frac{1}{2}", "0.5") == (True, False)   # string equality knows no fractions
+
+
+def test_math_verify_works_off_the_main_thread():
+    box = []
+    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{0.5}", "\\frac{1}{2}", "math")))
+    t.start()
+    t.join(30)
+    assert box and box[0]["correct"] and not box[0]["parse_failed"]
+
+
+def test_timeout_off_the_main_thread(monkeypatch):
+    monkeypatch.setattr(data, "_mv_check", lambda g, p, t: (time.sleep(3), (True, True, True))[1])
+    box = []
+    start = time.time()
+    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{1}", "1", "math", timeout_s=0.2)))
+    t.start()
+    t.join(10)
+    assert time.time() - start < 2.0
+    assert box[0]["reward"] == 0.0 and box[0]["parse_failed"]   # abandoned check: fail-closed
+
+
+def test_timeout_in_the_main_thread(monkeypatch):
+    import math_verify.parser
+    if not hasattr(math_verify.parser, "extract_target_from_pred"):
+        pytest.skip("this math-verify version has no extract_target_from_pred to slow down")
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", lambda *a, **k: time.sleep(10))
+    start = time.time()
+    s = data.score("\\boxed{1}", "1", "math", timeout_s=1)
+    assert time.time() - start < 5.0   # math-verify's SIGALRM interrupted the parse after 1 s
+    assert s["reward"] == 0.0 and s["parse_failed"]
+
+
+# ----------------------------------------------------------------------------- format and weights
+
+THINK_CASES = [
+    ("<think>9*2=18</think><answer>\\boxed{18}</answer>", True),
+    ("<think>\n9*2=18\n</think>\n<answer>18</answer>\n", True),       # bare answer, whitespace around
+    ("<answer>18</answer>", False),                                    # no think block
+    ("<think>x</think><answer>18</answer> and more text", False),      # text after the answer
+    ("<think>x</think><answer>1</answer><answer>2</answer>", False),   # two answers
+    ("<think>x</think><answer> </answer>", False),                     # empty answer
+    ("<think>x<think>y</think><answer>1</answer>", False),             # nested think
+]
+
+
+@pytest.mark.parametrize("response,ok", THINK_CASES)
+def test_think_format(response, ok):
+    assert data.format_ok(response, "think") is ok
+
+
+def test_boxed_format():
+    assert data.format_ok("so \\boxed{\\frac{1}{2}}", "boxed")
+    assert not data.format_ok("so 1/2", "boxed")
+    assert not data.format_ok("so \\boxed{}", "boxed")
+    assert not data.format_ok("so \\boxed{\\frac{1}{2}", "boxed")    # unclosed
+
+
+def test_think_extraction_prefers_the_answer_block():
+    r = "<think>maybe \\boxed{3}? no.</think><answer>5</answer>"
+    assert data.extract_answer(r, "gsm8k", fmt="think") == "5"
+    assert data.extract_answer(r, "gsm8k", fmt="boxed") == "3"
+    assert data.extract_answer("<think>x</think><answer>\\frac{1}{2}</answer>", "math", fmt="think") == "\\frac{1}{2}"
+
+
+def test_format_and_accuracy_weights_are_separate():
+    good = "<think>9*2</think><answer>\\boxed{18}</answer>"
+    assert data.score(good, "18", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(1.2)
+    assert data.score(good, "17", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(0.2)
+    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, wrong format
+    assert s["correct"] and not s["format_ok"] and s["reward"] == pytest.approx(1.0)
+    assert data.score(good, "18", "gsm8k", "think", 0.0, 0.5)["reward"] == pytest.approx(0.5)
+    summary = data.summarize([data.score(good, "18", "gsm8k", "think"), data.score("no", "18", "gsm8k", "think")])
+    assert summary == {"n": 2, "reward": 0.5, "accuracy": 0.5, "format_rate": 0.5, "parse_fail_rate": 0.5}
+
+
+# ----------------------------------------------------------------------------- synthetic task
+
+def test_synthetic_rows():
+    a, b = data.synthetic_rows(200, seed=0), data.synthetic_rows(200, seed=0)
+    assert a == b and a != data.synthetic_rows(200, seed=1)
+    for r in a:
+        x, op, y = r["question"].split()[2:5]
+        expected = {"+": int(x) + int(y), "*": int(x) * int(y)}[op] % 10
+        assert r["answer"] == str(expected) and len(r["answer"]) == 1
+        assert r["question"].endswith("modulo 10? Answer with a single digit.")
+    got, stats = data.load_rows("synthetic", limit=20, seed=3)
+    assert len(got) == 20 and stats["rows"] == 20 and got[0]["kind"] == "gsm8k"
+    assert data.score(f"The result is \\boxed{{{got[0]['gold']}}}", got[0]["gold"], "gsm8k")["correct"]
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def test_build_prompt(tokenizer):
+    q = "What is 2+3?"
+    p = data.build_prompt(tokenizer, q)
+    assert p == (f"<|im_start|>system\n{data.SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+    assert "\\boxed{}" in data.SYSTEM_PROMPT
+    t = data.build_prompt(tokenizer, q, "think")
+    assert data.THINK_SYSTEM_PROMPT in t and "<think>" in t and "<answer>" in t
+    ids = data.prompt_token_ids(tokenizer, q)
+    assert tokenizer.decode(ids) == p
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3   # no special tokens added twice
+    assert [3838, 374, 220, 17, 10, 18, 30] == ids[-12:-5]                     # the question's own tokens
+    with pytest.raises(ValueError, match="format"):
+        data.build_prompt(tokenizer, q, "xml")
+
+
+def test_build_prompt_without_chat_template():
+    class Bare:
+        chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        data.build_prompt(Bare(), "q")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _write(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def test_math12k_empty_answers_are_skipped_and_counted(tmp_path):
+    # Rows in the MATH 12k train layout; the two with "" mirror its real empty-answer rows (lines 1166, 8126).
+    p = _write(tmp_path / "train_12k.jsonl", [
+        {"problem": "How many vertical asymptotes does the graph of $y=\\frac{2}{x^2+x-6}$ have?", "answer": "2"},
+        {"problem": "For any integer $n>1$, the number of prime numbers greater than $n!+1$ ...", "answer": ""},
+        {"problem": "If $5x - 3 = 12$, what is the value of $5x + 3$?", "answer": "18"},
+        {"problem": "You are given a sequence of $58$ terms; ...", "answer": ""},
+        {"problem": "A row whose answer field is missing altogether"},
+    ])
+    got, stats = data.load_rows("math12k", p)
+    assert [r["gold"] for r in got] == ["2", "18"] and [r["index"] for r in got] == [0, 2]
+    assert stats["skipped_no_answer"] == 3 and stats["rows"] == 2 and stats["read"] == 5
+
+
+def test_gzip_and_skipped_bad_gsm8k_gold(tmp_path):
+    import gzip
+    p = tmp_path / "g.jsonl.gz"
+    with gzip.open(p, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"question": "q1", "answer": "x\n#### 1,000"}) + "\n\n")
+        f.write(json.dumps({"question": "q2", "answer": "no final line"}) + "\n")
+        f.write(json.dumps({"answer": "#### 3"}) + "\n")
+    got, stats = data.load_rows("gsm8k", str(p))
+    assert [r["gold"] for r in got] == ["1000"]
+    assert stats["skipped_bad_gold"] == 1 and stats["skipped_no_question"] == 1
+
+
+def test_unknown_task():
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'.*gsm8k.*math500"):
+        data.load_rows("gsm9k")
+
+
+def test_missing_file(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl.*--data"):
+        data.load_rows("gsm8k", missing)
+
+
+def test_math12k_needs_a_path():
+    with pytest.raises(ValueError, match="math12k.*--data"):
+        data.load_rows("math12k")
+
+
+def test_rows_without_the_needed_field(tmp_path):
+    p = _write(tmp_path / "wrong.jsonl", [{"problem": "p", "solution": "s"}] * 3)
+    with pytest.raises(ValueError, match="'answer'"):
+        data.load_rows("math500", p)
+    with pytest.raises(ValueError, match="'question'"):
+        data.load_rows("gsm8k", p)
+
+
+def test_bad_json_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"question": "q", "answer": "#### 1"}\n{not json\n', encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        data.load_rows("gsm8k", str(p))
+
+
+def test_unknown_kind_and_format():
+    with pytest.raises(ValueError, match="kind"):
+        data.extract_answer("\\boxed{1}", "code")
+    with pytest.raises(ValueError, match="format"):
+        data.format_ok("\\boxed{1}", "xml")
+    with pytest.raises(ValueError, match="gold kind"):
+        data.parse_gold("1", "code")
