@@ -18,11 +18,8 @@ def _requirements() -> dict[str, str]:
 
     with open(_PYPROJECT, "rb") as f:
         project = tomllib.load(f)["project"]
-    reqs = list(project["dependencies"])
-    for group in project.get("optional-dependencies", {}).values():
-        reqs += group
-    out = {}
-    for r in reqs:
+    out = {}  # the core pins win over an extra's pin of the same package (the test extra narrows numpy)
+    for r in sum(project.get("optional-dependencies", {}).values(), []) + list(project["dependencies"]):
         m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*(.*)$", r)
         out[m.group(1).lower()] = m.group(2).strip()
     return out

@@ -8,8 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on CPU through the interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -1,0 +1,531 @@
+"""kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16) and the noisy RMSNorm, each beside its reference.
+
+    python bench.py kernels            # speed against torch bf16 on a GPU
+    pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
+
+What is here
+  pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   the kernel layout, once at load
+  nvfp4_linear(x, w, bias=None)    y = x @ W_hat^T for any number of tokens; autograd gives dX (no dW: frozen)
+  dequantize(w)                    W_hat (N, K) in bf16 (the large-M and backward paths use it with torch.matmul)
+  rms_norm(x, weight, eps, noise=None, residual=None)   (residual add +) RMSNorm with weight + noise (AQN)
+  *_ref                            plain PyTorch references (used on CPU and by the tests)
+
+How the GEMM works. The H100 has no FP4 tensor cores, so weights are dequantized in registers and multiplied on
+bf16 tensor cores. Operands are swapped (y^T = W_hat @ x^T): the weight tile is the register-side wgmma operand
+and the tokens are the small N side, so M = 1..64 decode steps still use the tensor cores. The checkpoint layout
+is rearranged once (pack_nvfp4) into tile-major 32-bit words: a word holds the codes of 4 of the 8 blocks of 16
+that a 128-wide K tile spans, for a pair of adjacent K columns (the two bf16 lanes of a wgmma register), with the
+bits placed so that two of the four bf16x2 outputs are one rotate + one AND and the other two are two rotates, an
+AND and a LOP3 (11 integer ops per 8 weights); one bf16x2 multiply applies the block scale. Why it is exact: the
+3 magnitude bits land on bf16 bits 8..6 (exponent 1..0, mantissa 6), which is e2m1 * 2^-126 including the 0.5
+subnormal; the fp8 scale byte shifted left by 4 is s * 2^-120 as bf16, times 2^127 gives s * 2^7; their product
+q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies by 2^119 / global_scale once. Split-K programs
+park partial sums in a workspace and the last one to finish (a counter per output tile) writes the result, so a
+call is one launch. Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
+
+Leaves out: FP4 activations (Blackwell only), fused LoRA in the GEMM epilogue, non-Hopper tuning.
+"""
+import os
+from typing import NamedTuple
+
+import versions
+
+versions.check()
+import torch  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+    versions.check("triton")
+except ImportError as e:  # CPU-only installs can still use the references; a wrong version is an error
+    if "nanoqerl needs" in str(e):
+        raise
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
+LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class NVFP4Weight(NamedTuple):
+    """A frozen NVFP4 linear weight in the kernel layout (see pack_nvfp4). n, k: the true shape."""
+    words: torch.Tensor         # (Kp/128, Np, 16) int32, Np and Kp rounded up to multiples of 128
+    scales: torch.Tensor        # (Kp/128, Np, 2) int32: the 8 fp8 block scales of a row's tile
+    global_scale: torch.Tensor  # (1,) fp32, the divisor
+    n: int
+    k: int
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or (INTERPRET and CPU_TRITON))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layout: checkpoint (compressed-tensors) -> kernel words, and back (for the references)
+
+# Bit placement in a word, per block slot o (blocks r = o and r = 4 + o of a tile go to the two words of a column
+# pair): magnitude bit i of lane j (column 2p + j) sits at bit (6 + 16 j + i + ROT[o][0]) % 32, the sign at
+# (15 + 16 j + ROT[o][1]) % 32, so rotating right by ROT[o] puts them where a bf16 lane wants them (bits 8..6, 15).
+ROT = ((0, 0), (3, 3), (6, 1), (13, 2))
+
+
+def _bit_positions(device) -> torch.Tensor:
+    """(4 slots, 2 lanes, 4 code bits) -> word bit position; code bits 0..2 magnitude, 3 sign."""
+    pos = [[[(6 + 16 * j + i + ROT[o][0]) % 32 for i in range(3)] + [(15 + 16 * j + ROT[o][1]) % 32]
+            for j in range(2)] for o in range(4)]
+    return torch.tensor(pos, dtype=torch.int64, device=device)
+
+
+def pack_nvfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor, global_scale: torch.Tensor) -> NVFP4Weight:
+    """(N, K/2) uint8 codes (even k low nibble), (N, K/16) fp8 scales, (1,) fp32 -> NVFP4Weight.
+
+    Words: (tile t, row n, 16); k = 128 t + 16 r + c (block r = 0..7, column c = 0..15); word 2p + h holds blocks
+    r = 4h + o (o = 0..3) of columns 2p, 2p+1 at the bit positions of ROT. Zero padding (to 128) is inert.
+    """
+    if weight_packed.dtype != torch.uint8 or weight_packed.dim() != 2:
+        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {weight_packed.dtype} {tuple(weight_packed.shape)}")
+    N, K = weight_packed.shape[0], weight_packed.shape[1] * 2
+    if K % 16:
+        raise ValueError(f"NVFP4 needs K to be a multiple of 16, got K = {K}")
+    if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (N, K // 16):
+        raise ValueError(f"weight_scale must be float8_e4m3fn of shape {(N, K // 16)}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale must hold one value, got shape {tuple(global_scale.shape)}")
+    dev = weight_packed.device
+    Np, Kp = -(-N // 128) * 128, -(-K // 128) * 128
+    p = weight_packed.contiguous()
+    codes = torch.zeros(Np, Kp, dtype=torch.int64, device=dev)
+    codes[:N, :K] = torch.stack((p & 0xF, p >> 4), dim=-1).reshape(N, K).to(torch.int64)
+    c = codes.view(Np, Kp // 128, 2, 4, 8, 2)                        # (n, t, h, o, p, j): r = 4h + o, col 2p + j
+    bits = (c[..., None] >> torch.arange(4, device=dev)) & 1           # (n, t, h, o, p, j, bit)
+    pos = _bit_positions(dev)[None, None, None, :, None, :, :]           # (o, j, bit) -> position
+    words = (bits << pos).sum(dim=(3, 5, 6))                           # (n, t, h, p)
+    words = words.permute(1, 0, 3, 2).reshape(Kp // 128, Np, 16)       # word 2p + h
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    sc = torch.zeros(Np, Kp // 16, dtype=torch.uint8, device=dev)
+    sc[:N, :K // 16] = weight_scale.view(torch.uint8)
+    scales = sc.view(Np, Kp // 128, 8).permute(1, 0, 2).contiguous().view(torch.int32)  # (t, n, 2)
+    gs = global_scale.reshape(1).to(device=dev, dtype=torch.float32)
+    return NVFP4Weight(words.contiguous(), scales, gs, N, K)
+
+
+def unpack_codes(w: NVFP4Weight) -> torch.Tensor:
+    """Inverse of the word layout: (Np, Kp) int64 codes."""
+    KT, Np = w.words.shape[0], w.words.shape[1]
+    words = (w.words.to(torch.int64) & 0xFFFFFFFF).reshape(KT, Np, 8, 2).permute(1, 0, 3, 2)  # (n, t, h, p)
+    pos = _bit_positions(words.device)                                  # (o, j, bit)
+    bits = (words[:, :, :, None, :, None, None] >> pos[None, None, None, :, None, :, :]) & 1
+    codes = (bits << torch.arange(4, device=words.device)).sum(-1)     # (n, t, h, o, p, j)
+    return codes.reshape(Np, KT * 128)
+
+
+def dequantize_ref(w: NVFP4Weight, dtype=torch.float32) -> torch.Tensor:
+    """W_hat (n, k) = q * (s / global_scale), from the kernel layout."""
+    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=w.words.device)
+    q = lut[unpack_codes(w)[: w.n, : w.k]]
+    s = w.scales.view(torch.uint8).permute(1, 0, 2).reshape(w.words.shape[1], -1)  # (Np, Kp/16) fp8 bytes
+    s = s.view(torch.float8_e4m3fn)[: w.n, : w.k // 16].float()
+    return (q * (s / w.global_scale).repeat_interleave(16, dim=1)).to(dtype)
+
+
+def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: fp32 matmul with the exact dequantized weight, cast to x's dtype."""
+    y = x.float() @ dequantize_ref(w).to(x.device).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The GEMM kernel
+
+if triton is not None:
+    # per row: two words with the 8 fp8 block scales of a K tile -> 8 bf16x2 multipliers (s_r * 2^7, s_r * 2^7)
+    _SCALE_ASM = tl.constexpr("""{
+    .reg .b32 p<4>, c; .reg .b16 h<8>;
+    mov.b32 c, 0x7F007F00;
+    prmt.b32 p0, $8, 0, 0x5140; prmt.b32 p1, $8, 0, 0x5342; prmt.b32 p2, $9, 0, 0x5140; prmt.b32 p3, $9, 0, 0x5342;
+    shl.b32 p0, p0, 4; shl.b32 p1, p1, 4; shl.b32 p2, p2, 4; shl.b32 p3, p3, 4;
+    mul.rn.bf16x2 p0, p0, c; mul.rn.bf16x2 p1, p1, c; mul.rn.bf16x2 p2, p2, c; mul.rn.bf16x2 p3, p3, c;
+    mov.b32 {h0, h1}, p0; mov.b32 {h2, h3}, p1; mov.b32 {h4, h5}, p2; mov.b32 {h6, h7}, p3;
+    mov.b32 $0, {h0, h0}; mov.b32 $1, {h1, h1}; mov.b32 $2, {h2, h2}; mov.b32 $3, {h3, h3};
+    mov.b32 $4, {h4, h4}; mov.b32 $5, {h5, h5}; mov.b32 $6, {h6, h6}; mov.b32 $7, {h7, h7};
+    }""")
+    # a pair of words (columns 2p, 2p+1) -> 8 bf16x2 registers, block r = 0..7, times the multipliers $10 + 2r
+    def _code_ptx(h, w, o):
+        a, b = ROT[o]
+        mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
+        if a == b:
+            bits = f" and.b32 t0, t0, 0x81C081C0;"
+        else:
+            bits = (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
+                    f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
+        return mag + bits + f" mul.rn.bf16x2 ${4 * h + o}, t0, ${10 + 2 * (4 * h + o)};\n"
+
+    _CODE_ASM = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
+        _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
+
+    @triton.jit
+    def _rotr(v, d: tl.constexpr):
+        return (v >> d) | (v << ((32 - d) % 32)) if d else v
+
+    @triton.jit
+    def _e2m1_block(src, r: tl.constexpr, s_r):
+        # pure-Triton twin of the PTX (the interpreter cannot run PTX): block r of (BN, 16) words -> exact q * s
+        a, b = tl.split(tl.reshape(src.to(tl.uint32, bitcast=True), (src.shape[0], 8, 2)))
+        v = a if r < 4 else b
+        o: tl.constexpr = r % 4
+        ra: tl.constexpr = 0 if o == 0 else 3 if o == 1 else 6 if o == 2 else 13   # ROT[o]
+        rb: tl.constexpr = 0 if o == 0 else 3 if o == 1 else 1 if o == 2 else 2
+        bits = (_rotr(v, ra) & 0x01C001C0) | (_rotr(v, rb) & 0x80008000)        # two bf16 lanes
+        code = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), (src.shape[0], 16))
+        mag = (code >> 6) & 7
+        e = mag >> 1
+        m = (mag & 1).to(tl.float32)
+        q = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+        q = tl.where((code >> 15) != 0, -q, q)
+        return (q * s_r[:, None]).to(tl.bfloat16)
+
+    @triton.jit
+    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+                         M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym,
+                         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         USE_ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
+        m = pid_m * BM + tl.arange(0, BM)                                    # tokens
+        kk = tl.arange(0, 128)
+        t0 = pid_k * TILES_PER_SPLIT
+        wp = w_ptr + (t0 * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :]         # (BN, 16) words
+        sp = s_ptr + (t0 * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]           # (BN, 2) scale words
+        xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]                  # (BM, 128)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for t in tl.range(t0, tl.minimum(t0 + TILES_PER_SPLIT, KT), loop_unroll_factor=UNROLL):
+            words = tl.load(wp)                                                       # (BN, 16) int32
+            sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
+            xt = tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
+            if USE_ASM:
+                m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
+                    _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+                sh: tl.constexpr = (BN, 16)
+                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                    _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
+                    [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
+                     tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
+                     tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
+                     tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
+                    dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+            else:
+                sc = tl.join(sw0, sw1)                                                # (BN, 2)
+                s8 = tl.reshape(sc.to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+                s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                r8 = tl.arange(0, 8)[None, :]
+                w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
+                w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
+                w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
+                w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
+                w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
+                w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
+                w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
+                w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
+            # (BN, 16) x 8 blocks -> (BN, 128) with k = 16 r + c (same registers: no data movement)
+            j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+            wt = tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128))
+            if USE_ASM:
+                acc = tl.dot(wt, tl.trans(xt), acc)                                  # (BN, BM) fp32
+            else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
+                acc = tl.dot(wt.to(tl.float32), tl.trans(xt).to(tl.float32), acc)
+            wp += NP * 16
+            sp += NP * 2
+            xp += 128
+        acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+        out_mask = (n[:, None] < N) & (m[None, :] < M)
+        if SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
+            tile = pid_m * tl.num_programs(0) + pid_n
+            mp = tl.num_programs(1) * BM                                              # padded token count
+            tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
+                                   mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+                tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
+                              USE_ASM: tl.constexpr):
+        pid_n = tl.program_id(0)
+        n = pid_n * BN + tl.arange(0, BN)
+        for t in range(tl.program_id(1) * TPP, tl.minimum(tl.program_id(1) * TPP + TPP, KT)):
+            _dequant_tile(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, n, t, BN, USE_ASM)
+
+    @triton.jit
+    def _dequant_tile(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, n, t, BN: tl.constexpr, USE_ASM: tl.constexpr):
+        words = tl.load(w_ptr + (t * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :])
+        sw0, sw1 = tl.split(tl.load(s_ptr + (t * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]))
+        if USE_ASM:
+            m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
+                _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+            sh: tl.constexpr = (BN, 16)
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
+                [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
+                 tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
+                 tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
+                 tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+            s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            r8 = tl.arange(0, 8)[None, :]
+            w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
+            w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
+            w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
+            w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
+            w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
+            w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
+            w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
+            w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
+        j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        wt = tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128)).to(tl.float32)
+        wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+        k = t * 128 + tl.arange(0, 128)
+        tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch: configs per token bucket, split-K, workspace
+
+_WS: dict = {}  # device -> (workspace fp32, tile counters int32); counters reset themselves after each use
+
+
+def _workspace(device, floats: int, tiles: int):
+    ws, cnt = _WS.get(device, (None, None))
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    _WS[device] = (ws, cnt)
+    return ws, cnt
+
+
+def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
+    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see README).
+
+    BM covers the tokens (the tensor-core N side), BN the weight rows. Small M is bandwidth- and latency-bound:
+    split K until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); medium M
+    is compute-bound: 128-token tiles, at most ~1.2 programs per SM. A split keeps at least 2 K tiles.
+    """
+    KT = -(-K // 128)
+    if M <= 64:
+        BM, BN, warps, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, (7.0 if M <= 16 else 2.5)
+    else:
+        BM, BN, warps, fill = 128, 128, 8, 1.2
+    tiles = -(-N // BN) * -(-M // BM)
+    split = 1
+    while split < 16 and tiles * split * 2 <= fill * sms and KT // (split * 2) >= 2:
+        split *= 2
+    return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=3)
+
+
+def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None):
+    """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
+
+    use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
+    M, K = x2.shape
+    N, KT = w.n, w.words.shape[0]
+    cfg = dict(config or mm_config(M, N, K))
+    BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
+    per_split = -(-KT // min(split, KT))
+    split = -(-KT // per_split)                                          # every split gets >= 1 tile
+    grid = (-(-N // BN), -(-M // BM), split)
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt,
+                           M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), BM=BM, BN=BN, SPLIT_K=split,
+                           HAS_BIAS=bias is not None, USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
+    return y
+
+
+def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
+    """W_hat (n, k) in bf16 from the kernel layout (Triton on GPU / interpreter, the reference otherwise)."""
+    if not _use_triton(w.words):
+        return dequantize_ref(w, dtype)
+    out = torch.empty(w.n, w.k, dtype=torch.bfloat16, device=w.words.device)
+    KT, tpp = w.words.shape[0], 4
+    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n,
+                                                           w.words.shape[1], w.k, KT, BN=64, TPP=tpp,
+                                                           USE_ASM=not INTERPRET, num_warps=4)
+    return out.to(dtype)
+
+
+def _check_linear(x: torch.Tensor, w: NVFP4Weight, bias):
+    if not isinstance(w, NVFP4Weight):
+        raise TypeError(f"w must be an NVFP4Weight (use kernels.pack_nvfp4), got {type(w).__name__}")
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects K = {w.k}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be a float tensor, got {x.dtype}")
+    if x.device != w.words.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {w.words.device}")
+    if w.words.dtype != torch.int32 or not (w.words.is_contiguous() and w.scales.is_contiguous()):
+        raise ValueError("the NVFP4Weight tensors must be contiguous int32 (build it with kernels.pack_nvfp4)")
+    if bias is not None and tuple(bias.shape) != (w.n,):
+        raise ValueError(f"bias must have shape ({w.n},), got {tuple(bias.shape)}")
+
+
+class _NVFP4Linear(torch.autograd.Function):
+    """y = x @ W_hat^T (+ b). Backward: dX = dY @ W_hat (the base is frozen: no dW); db if the bias wants it."""
+
+    @staticmethod
+    def forward(ctx, x, w: NVFP4Weight, bias):
+        ctx.w = w
+        x2 = x.reshape(-1, x.shape[-1])
+        if not _use_triton(x) or x.dtype != torch.bfloat16:
+            y = nvfp4_linear_ref(x2, w, bias)
+        elif x2.shape[0] >= LARGE_M:  # compute-bound: dequantize once, cuBLAS does the rest
+            y = torch.nn.functional.linear(x2, dequantize(w), bias)
+        else:
+            y = nvfp4_mm(x2.contiguous(), w, bias)
+        return y.reshape(*x.shape[:-1], w.n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w = ctx.w
+        dy2 = dy.reshape(-1, w.n)
+        if _use_triton(dy) and dy.dtype == torch.bfloat16:
+            dx = dy2 @ dequantize(w)
+        else:
+            dx = (dy2.float() @ dequantize_ref(w).to(dy.device)).to(dy.dtype)
+        db = dy2.float().sum(0).to(dy.dtype) if ctx.needs_input_grad[2] else None
+        return dx.reshape(*dy.shape[:-1], w.k), None, db
+
+
+def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the reference."""
+    _check_linear(x, w, bias)
+    return _NVFP4Linear.apply(x, w, bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm with an AQN noise vector: y = bf16(weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF numerics
+
+def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
+    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers), returns (y, h)."""
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    w = weight if noise is None else (weight.float() + noise.float()).to(weight.dtype)
+    xf = h.float()
+    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    y = w * xn
+    return y if residual is None else (y, h)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_fwd_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, rstd_ptr, H, eps,
+                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + row * H + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        if HAS_NOISE:
+            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
+        xn = (xf * rstd).to(x.dtype).to(tl.float32)
+        tl.store(y_ptr + row * H + cols, (w.to(tl.float32) * xn).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, z_ptr, rstd_ptr, dx_ptr, dw_ptr, M, H, ROWS_PER_PROG,
+                        HAS_DH: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        if HAS_NOISE:
+            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
+        w = w.to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(0, ROWS_PER_PROG):
+            row = (pid * ROWS_PER_PROG + i).to(tl.int64)
+            if row < M:
+                xhat = tl.load(h_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(rstd_ptr + row)
+                dy = tl.load(dy_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+                dxhat = dy * w
+                dx = (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / H)) * tl.load(rstd_ptr + row)
+                if HAS_DH:
+                    dx += tl.load(dh_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw += dy * xhat
+        tl.store(dw_ptr + pid * H + cols, dw, mask=mask)
+
+
+def _rms_config(H: int) -> dict:
+    block = triton.next_power_of_2(H)
+    return dict(BLOCK=block, num_warps=max(1, min(16, block // 512)))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, noise, residual):
+        H = x.shape[-1]
+        x2 = x.reshape(-1, H).contiguous()
+        r2 = residual.reshape(-1, H).contiguous() if residual is not None else None
+        y = torch.empty_like(x2)
+        h = torch.empty_like(x2) if r2 is not None else x2
+        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+        z = noise.contiguous() if noise is not None else weight
+        _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd, H, eps,
+                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
+        ctx.save_for_backward(h, weight, noise, rstd)
+        ctx.has_res = residual is not None
+        y = y.reshape(x.shape)
+        return (y, h.reshape(x.shape)) if ctx.has_res else y
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, weight, noise, rstd = ctx.saved_tensors
+        H = h.shape[-1]
+        M = h.shape[0]
+        progs = min(M, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2))
+        per = -(-M // progs)
+        dx = torch.empty_like(h)
+        dw = torch.empty(progs, H, dtype=torch.float32, device=h.device)
+        dh2 = dh.reshape(-1, H).contiguous() if dh is not None else None
+        _rms_bwd_kernel[(progs,)](dy.reshape(-1, H).contiguous(), dh2 if dh2 is not None else dx, h, weight,
+                                  noise if noise is not None else weight, rstd, dx, dw, M, H, per,
+                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
+        dx = dx.reshape(dy.shape)
+        dweight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dweight, None, None, (dx if ctx.has_res else None)
+
+
+def rms_norm(x, weight, eps: float, noise=None, residual=None):
+    """Fused (residual add +) RMSNorm whose effective weight is weight + noise. Returns y, or (y, x + residual).
+
+    Triton on CUDA (and under TRITON_INTERPRET=1), the reference otherwise; both are differentiable (dX, dW).
+    """
+    H = x.shape[-1]
+    if weight.shape != (H,) or (noise is not None and noise.shape != (H,)):
+        raise ValueError(f"weight and noise must have shape ({H},), got {tuple(weight.shape)}"
+                         f"{'' if noise is None else ' and ' + str(tuple(noise.shape))}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    if not _use_triton(x):
+        return rms_norm_ref(x, weight, eps, noise, residual)
+    return _RMSNorm.apply(x, weight, eps, noise, residual)

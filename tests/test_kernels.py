@@ -1,0 +1,203 @@
+"""kernels.py: the Triton kernels against their PyTorch references.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest) with the pure-Triton dequant twin of the PTX;
+on a CUDA machine the same tests run the real kernels (PTX dequant, wgmma), plus the 7B shapes.
+"""
+import pytest
+import torch
+
+import kernels as K
+import quantize as Q
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cuda"] if CUDA else ["cpu"]  # CPU: the interpreter; a GPU machine runs the real kernels
+
+
+@pytest.fixture(autouse=True)
+def triton_on_cpu(monkeypatch):
+    monkeypatch.setattr(K, "CPU_TRITON", True)
+
+
+def make_weight(N, Kdim, seed=0, device="cpu", zero_block=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, Kdim, generator=g) * torch.rand(N, 1, generator=g) * 0.05  # rows of different scales
+    if zero_block and Kdim >= 32:
+        w[0, 16:32] = 0.0
+    packed, scale, gs = Q.quantize_weight(w)
+    return K.pack_nvfp4(packed.to(device), scale.to(device), gs.to(device)), (packed, scale, gs)
+
+
+def test_pack_roundtrip_and_reference_dequant():
+    for N, Kd in [(3, 16), (80, 144), (130, 272)]:
+        w, (packed, scale, gs) = make_weight(N, Kd)
+        codes = Q.unpack_codes(packed)
+        assert torch.equal(K.unpack_codes(w)[:N, :Kd], codes.long())
+        assert (K.unpack_codes(w)[N:] == 0).all() and (K.unpack_codes(w)[:, Kd:] == 0).all()
+        assert torch.equal(K.dequantize_ref(w), Q.dequantize_weight(packed, scale, gs))
+        assert w.words.shape == (-(-Kd // 128), -(-N // 128) * 128, 16)
+        assert w.scales.shape == (-(-Kd // 128), -(-N // 128) * 128, 2)
+
+
+def expected(x, w, bias=None):
+    """fp32 result and the tolerance the kernel must meet: one bf16 rounding of the output plus fp32 accumulation
+    in another order (K * 2^-24 of sum |x||w|; 1e-5 covers it for the K used here). The rounding is half an ulp
+    (2^-8 relative) on the GPU; Triton's CPU interpreter truncates fp32 -> bf16 instead, a whole ulp (2^-7)."""
+    W = K.dequantize_ref(w).to(x.device)
+    y32 = x.float() @ W.t() + (bias.float() if bias is not None else 0.0)
+    tol = ROUND[x.device.type] * y32.abs() + 1e-5 * (x.float().abs() @ W.abs().t()) + 1e-30
+    return y32, tol
+
+
+ROUND = {"cuda": 2.0 ** -8, "cpu": 2.0 ** -7}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,N,Kd", [(1, 64, 16), (1, 80, 144), (5, 96, 128), (16, 130, 256), (33, 64, 400),
+                                    (70, 128, 128)])
+def test_gemm_matches_reference(device, M, N, Kd):
+    w, _ = make_weight(N, Kd, seed=M + N + Kd, device=device)
+    x = torch.randn(M, Kd, device=device).to(torch.bfloat16)
+    y = K.nvfp4_mm(x, w)
+    y32, tol = expected(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert ((y.float() - y32).abs() <= tol).all(), (y.float() - y32).abs().max()
+    ref = K.nvfp4_linear_ref(x, w)
+    assert ((y.float() - ref.float()).abs() <= 2 * tol).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemm_split_k_bias_and_batched_input(device):
+    w, _ = make_weight(96, 512, seed=3, device=device)
+    bias = torch.randn(96, device=device).to(torch.bfloat16)
+    x = torch.randn(2, 3, 512, device=device).to(torch.bfloat16)
+    for split in (1, 2, 4):
+        y = K.nvfp4_mm(x.reshape(6, 512), w, bias, config=dict(BM=16, BN=64, SPLIT_K=split, num_warps=4, num_stages=2))
+        y32, tol = expected(x.reshape(6, 512), w, bias)
+        assert ((y.float() - y32).abs() <= tol).all(), split
+    # counters reset themselves: a second split-K call on the same workspace still adds every split once
+    y2 = K.nvfp4_mm(x.reshape(6, 512), w, bias, config=dict(BM=16, BN=64, SPLIT_K=4, num_warps=4, num_stages=2))
+    assert torch.equal(y, y2)
+    out = K.nvfp4_linear(x, w, bias)
+    assert out.shape == (2, 3, 96)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dequant_kernel(device):
+    w, (packed, scale, gs) = make_weight(80, 272, seed=1, device=device)
+    got = K.dequantize(w)
+    ref = Q.dequantize_weight(packed, scale, gs).to(device)
+    assert got.dtype == torch.bfloat16 and got.shape == (80, 272)
+    # kernel: bf16(exact(q*s) * (1/gs)); reference: q * (s/gs) in fp32 -> one rounding apart
+    assert ((got.float() - ref).abs() <= ROUND[device] * ref.abs()).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_backward_dx(device):
+    w, _ = make_weight(96, 144, seed=2, device=device)
+    x = torch.randn(7, 144, device=device).to(torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(7, 96, device=device).to(torch.bfloat16)
+    K.nvfp4_linear(x, w).backward(dy)
+    xr = x.detach().float().requires_grad_(True)
+    (xr @ K.dequantize_ref(w).to(device).t()).backward(dy.float())
+    # dX = dY @ W_hat: the kernel uses bf16 W_hat (<= 1 ulp from fp32) and a bf16 output
+    tol = 2.0 ** -7 * xr.grad.abs() + 1e-2 * xr.grad.abs().max()
+    assert ((x.grad.float() - xr.grad).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_ptx_dequant_matches_pure_triton_twin():
+    """The pure-Triton dequant (what the CPU interpreter runs) and the PTX one compute the same products."""
+    w, _ = make_weight(130, 400, seed=5, device="cuda")
+    x = torch.randn(9, 400, device="cuda").to(torch.bfloat16)
+    ptx, twin = K.nvfp4_mm(x, w, use_asm=True), K.nvfp4_mm(x, w, use_asm=False)
+    y32, tol = expected(x, w)
+    assert ((ptx.float() - y32).abs() <= tol).all() and ((twin.float() - y32).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+def test_gemm_7b_shapes_cuda(M, N, Kd):
+    w, _ = make_weight(N, Kd, seed=M, device="cuda")
+    x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
+    y = K.nvfp4_linear(x, w)
+    y32, tol = expected(x, w)
+    if M >= K.LARGE_M:  # dequantize + cuBLAS: W_hat is rounded to bf16 first (2^-9 relative per weight)
+        tol = tol + 2.0 ** -9 * (x.float().abs() @ K.dequantize_ref(w).abs().t())
+    bad = ((y.float() - y32).abs() > tol).float().mean().item()
+    assert bad == 0.0, bad
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [64, 200])
+@pytest.mark.parametrize("with_noise,with_res", [(False, False), (True, False), (True, True), (False, True)])
+def test_rms_norm_forward(device, dtype, H, with_noise, with_res):
+    g = torch.Generator().manual_seed(H)
+    x = (3 * torch.randn(5, H, generator=g)).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(device, dtype)
+    noise = (0.01 * torch.randn(H, generator=g)).to(device) if with_noise else None
+    res = torch.randn(5, H, generator=g).to(device, dtype) if with_res else None
+    got = K.rms_norm(x, weight, 1e-6, noise, res)
+    ref = K.rms_norm_ref(x, weight, 1e-6, noise, res)
+    got, ref = (got, ref) if with_res else ((got,), (ref,))
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype == dtype
+        # same roundings as HF; rsqrt in Triton vs torch may differ in the last fp32 bit, which can move a bf16
+        # rounding by one ulp (2^-7 relative). The CPU interpreter truncates each of its (up to 4: h, weight +
+        # noise, x_hat, y) bf16 casts instead of rounding to nearest: 4 ulps there. fp32 checks the math tightly.
+        ulp = (2.0 ** -7 if device == "cuda" else 2.0 ** -5) if dtype == torch.bfloat16 else 1e-6
+        assert ((a.float() - b.float()).abs() <= ulp * b.float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_noise,with_res", [(False, False), (True, True)])
+def test_rms_norm_backward(device, with_noise, with_res):
+    H = 96
+    g = torch.Generator().manual_seed(7)
+    x = (2 * torch.randn(6, H, generator=g)).to(device).requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(device).requires_grad_(True)
+    noise = (0.01 * torch.randn(H, generator=g)).to(device) if with_noise else None
+    res = torch.randn(6, H, generator=g).to(device).requires_grad_(True) if with_res else None
+    dy = torch.randn(6, H, generator=g).to(device)
+    dh = torch.randn(6, H, generator=g).to(device)
+
+    def run(fn):
+        for t in (x, weight) + ((res,) if with_res else ()):
+            t.grad = None
+        out = fn(x, weight, 1e-6, noise, res)
+        loss = (out[0] * dy).sum() + (out[1] * dh).sum() if with_res else (out * dy).sum()
+        loss.backward()
+        return [t.grad.clone() for t in (x, weight) + ((res,) if with_res else ())]
+
+    for a, b in zip(run(K.rms_norm), run(K.rms_norm_ref)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Clear errors
+
+def test_errors():
+    w, (packed, scale, gs) = make_weight(32, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        K.pack_nvfp4(torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), gs)
+    with pytest.raises(ValueError, match="uint8"):
+        K.pack_nvfp4(packed.float(), scale, gs)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        K.pack_nvfp4(packed, scale.float(), gs)
+    with pytest.raises(ValueError, match="expects K = 64"):
+        K.nvfp4_linear(torch.zeros(2, 48, dtype=torch.bfloat16), w)
+    with pytest.raises(TypeError, match="float tensor"):
+        K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.int32), w)
+    with pytest.raises(TypeError, match="NVFP4Weight"):
+        K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed)
+    bad = K.NVFP4Weight(w.words.repeat_interleave(2, dim=-1)[..., ::2], w.scales, w.global_scale, w.n, w.k)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), bad)
+    with pytest.raises(ValueError, match="bias"):
+        K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), w, torch.zeros(31))
+    with pytest.raises(ValueError, match="shape"):
+        K.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-6)
