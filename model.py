@@ -1,39 +1,376 @@
-"""model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) and tiny random checkpoints for tests and demos.
+"""model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels, and tiny random checkpoints.
 
-    python model.py --make-tiny runs/tiny-qwen2            # a tiny random Qwen2 checkpoint with the real tokenizer
+    python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"     # greedy continuation, a smoke test
+    python model.py --make-tiny runs/tiny-qwen2 [--arch qwen3]           # a tiny random checkpoint (real tokenizer)
 
-Leaves out (for now): everything but the tiny-checkpoint builder; the decoder over our kernels comes next.
+One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4 checkpoint
+(quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
+runs full sequences (training, scoring; optional per-layer gradient checkpointing) or writes/reads a KV cache
+(the rollout engine) through the same layer code. Norms run through kernels.rms_norm with the AQN noise of
+`model.noise` ((layers, 2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up). `token_logprobs` scores given
+tokens chunk by chunk, so the (tokens, 152k) fp32 logits never exist at once.
+
+Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor parallelism.
 """
 import argparse
+import json
+import math
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import versions
 
 versions.check()
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+import kernels  # noqa: E402
+import quantize  # noqa: E402
+
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+@dataclass
+class Config:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    eos_token_ids: list = field(default_factory=list)
+
+
+def config_from_hf(d: dict) -> Config:
+    arch = (d.get("architectures") or ["<none>"])[0]
+    if arch not in SUPPORTED:
+        raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED)}")
+    rope = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported (default, llama3)")
+    eos = d.get("eos_token_id")
+    return Config(arch=SUPPORTED[arch], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                  intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+                  num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                  head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+                  rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
+                  qkv_bias=SUPPORTED[arch] == "qwen2" or bool(d.get("attention_bias", False)),
+                  qk_norm=SUPPORTED[arch] == "qwen3", max_position_embeddings=d.get("max_position_embeddings", 4096),
+                  eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def rope_inv_freq(cfg: Config) -> torch.Tensor:
+    """Inverse frequencies as HF computes them (default; llama3 smoothing when configured)."""
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    s = cfg.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "llama3":
+        factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        llama = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * llama / factor + smooth * llama
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, llama)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
+    """positions (B, T) -> cos, sin (B, 1, T, D) in dtype, computed in fp32 like HF."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)     # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                    # (B, T, D)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class Linear(nn.Module):
+    """A frozen base linear, bf16 (`weight`) or NVFP4 (`words`, `scales`, `global_scale`, see kernels.pack_nvfp4),
+    plus an optional LoRA adapter that lora.py attaches (`lora_A` (r, in), `lora_B` (out, r), `lora_scale`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        for name in ("weight", "words", "scales", "global_scale", "bias"):
+            self.register_buffer(name, None)
+        self.has_bias = bias
+        self.lora_A = self.lora_B = None
+        self.lora_scale, self.lora_dropout, self.lora_on = 0.0, 0.0, True
+
+    def qweight(self) -> kernels.NVFP4Weight:
+        return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
+
+    def forward(self, x):                                                     # (..., in) -> (..., out)
+        if self.words is not None:
+            y = kernels.nvfp4_linear(x, self.qweight(), self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        if self.lora_A is not None and self.lora_on:
+            h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+            y = y + (h @ self.lora_A.t().to(x.dtype)) @ self.lora_B.t().to(x.dtype) * self.lora_scale
+        return y
+
+
+class Norm(nn.Module):
+    """Holds an RMSNorm weight under HF's name (`...norm.weight`); frozen (set requires_grad to train it)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n), requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: Config, idx: int):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.idx, self.cfg = idx, cfg
+        self.input_layernorm, self.post_attention_layernorm = Norm(H), Norm(H)
+        self.self_attn, self.mlp = nn.Module(), nn.Module()
+        a = self.self_attn
+        a.q_proj = Linear(H, cfg.num_heads * D, cfg.qkv_bias)
+        a.k_proj = Linear(H, cfg.num_kv_heads * D, cfg.qkv_bias)
+        a.v_proj = Linear(H, cfg.num_kv_heads * D, cfg.qkv_bias)
+        a.o_proj = Linear(cfg.num_heads * D, H, False)
+        if cfg.qk_norm:
+            a.q_norm, a.k_norm = Norm(D), Norm(D)
+        m = self.mlp
+        m.gate_proj, m.up_proj = Linear(H, cfg.intermediate_size, False), Linear(H, cfg.intermediate_size, False)
+        m.down_proj = Linear(cfg.intermediate_size, H, False)
+
+    def forward(self, h, cos, sin, mask, noise, cache, slots, kv_len):
+        B, T, _ = h.shape
+        cfg, a, m = self.cfg, self.self_attn, self.mlp
+        z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
+        x = kernels.rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
+        q = a.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = a.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = a.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = kernels.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), kernels.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, heads, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:                                                  # write T slots, read the first kv_len
+            cache.k[self.idx].index_copy_(2, slots, k)
+            cache.v[self.idx].index_copy_(2, slots, v)
+            k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
+        o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
+        x, h = kernels.rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
+        return h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+
+class KVCache:
+    """Preallocated keys and values: (layers, B, kv_heads, max_len, head_dim) each."""
+
+    def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype=torch.bfloat16):
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+
+
+def attention_mask(valid_q: torch.Tensor, valid_k: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
+    """(B, T) valid queries, (B, S) valid keys, (T,) query slots -> (B, 1, T, S) bool: causal, valid keys; a padded
+    query row sees its own slot, so no row is empty (an empty row would give NaN that spreads through attention)."""
+    k_slots = torch.arange(valid_k.shape[1], device=valid_k.device)
+    causal = k_slots[None, :] <= q_slots[:, None]                              # (T, S)
+    m = causal[None] & valid_k[:, None, :]                                     # (B, T, S)
+    m = m | ((k_slots[None, :] == q_slots[:, None])[None] & ~valid_q[:, :, None])
+    return m[:, None]
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = Norm(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.noise = None                 # AQN: (layers, 2, hidden) fp32, or None
+        self.grad_checkpoint = False      # recompute each layer in backward
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def linears(self):
+        """(name, Linear) for every decoder linear, with HF / PEFT module names."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
+
+    def forward(self, ids, positions, mask, cache: KVCache | None = None, slots=None, kv_len: int | None = None):
+        """ids, positions (B, T); mask (B, 1, T, S) bool -> final hidden states (B, T, H), normed.
+
+        With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
+        h = self.model.embed_tokens(ids)                                       # (B, T, H)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for layer in self.model.layers:
+            args = (cos, sin, mask, self.noise, cache, slots, kv_len)
+            if self.grad_checkpoint and torch.is_grad_enabled() and cache is None:
+                h = checkpoint(layer, h, *args, use_reentrant=False)
+            else:
+                h = layer(h, *args)
+        return kernels.rms_norm(h, self.model.norm.weight, self.cfg.rms_norm_eps)
+
+    def logits(self, h):                                                       # (..., H) -> (..., V)
+        return F.linear(h, self.lm_weight())
+
+    def forward_padded(self, ids, valid):
+        """Full sequences without a cache: ids (B, T) with `valid` (B, T) bool (padding anywhere) -> (B, T, H)."""
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        slots = torch.arange(ids.shape[1], device=ids.device)
+        return self(ids, positions, attention_mask(valid, valid, slots))
+
+    @classmethod
+    def from_pretrained(cls, path: str, device="cpu", dtype=torch.bfloat16, quantize_on_load: bool = False) -> "Model":
+        """A HF folder or hub id: bf16/fp16/fp32, our NVFP4 (compressed-tensors), or bf16 quantized while loading."""
+        folder = quantize.resolve_model_dir(str(path))
+        raw = json.loads((folder / "config.json").read_text())
+        cfg = config_from_hf(raw)
+        qc = raw.get("quantization_config")
+        if qc and (qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "nvfp4-pack-quantized"):
+            raise ValueError(f"{folder}: only nvfp4-pack-quantized compressed-tensors checkpoints are supported, got "
+                             f"{qc.get('quant_method')} / {qc.get('format')}")
+        with torch.device("meta"):
+            model = cls(cfg).to(dtype)
+        model.to_empty(device=device)
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+        tensors = quantize.list_tensors(folder) if not qc else _list_quantized(folder)
+
+        def get(name, shape, dt):
+            if name not in tensors:
+                raise ValueError(f"{folder}: missing tensor {name}")
+            f, meta, start = tensors[name]
+            if list(meta["shape"]) != list(shape):
+                raise ValueError(f"{folder}: tensor {name} has shape {meta['shape']}, expected {list(shape)}")
+            return quantize.read_rows(f, meta, start, 0, shape[0] if shape else 1).to(device=device, dtype=dt).reshape(shape)
+
+        with torch.no_grad():
+            model.model.embed_tokens.weight.copy_(get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype))
+            model.model.norm.weight.copy_(get("model.norm.weight", (cfg.hidden_size,), dtype))
+            if model.lm_head is not None:
+                model.lm_head.weight.copy_(get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype))
+            for layer in model.model.layers:
+                p = f"model.layers.{layer.idx}."
+                for n in ("input_layernorm", "post_attention_layernorm") + (("self_attn.q_norm", "self_attn.k_norm") if cfg.qk_norm else ()):
+                    t = layer.get_parameter(n + ".weight")
+                    t.copy_(get(p + n + ".weight", tuple(t.shape), dtype))
+                lins = [(n[len(p):], m) for n, m in model.linears() if n.startswith(p)]
+                bf16 = {}
+                for n, lin in lins:
+                    if lin.has_bias:
+                        lin.bias = get(p + n + ".bias", (lin.out_features,), dtype)
+                    if p + n + ".weight_packed" in tensors:
+                        lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                            get(p + n + ".weight_packed", (lin.out_features, lin.in_features // 2), torch.uint8),
+                            get(p + n + ".weight_scale", (lin.out_features, lin.in_features // 16), torch.float8_e4m3fn),
+                            get(p + n + ".weight_global_scale", (1,), torch.float32))
+                    else:
+                        bf16[p + n + ".weight"] = get(p + n + ".weight", (lin.out_features, lin.in_features), dtype)
+                if quantize_on_load and bf16:  # same math (and shared q/k/v, gate/up scales) as quantize.py
+                    q, _ = quantize.quantize_state_dict(bf16, device=device)
+                    for k in [k for k in bf16 if k[:-len(".weight")] + ".weight_packed" in q]:
+                        pre = k[:-len(".weight")]
+                        bf16.pop(k)
+                        model.get_submodule(pre).words, model.get_submodule(pre).scales, model.get_submodule(pre).global_scale, *_ = \
+                            kernels.pack_nvfp4(q[pre + ".weight_packed"].to(device), q[pre + ".weight_scale"].to(device),
+                                               q[pre + ".weight_global_scale"].to(device))
+                for k, w in bf16.items():
+                    model.get_submodule(k[:-len(".weight")]).weight = w
+        return model.eval()
+
+
+def _list_quantized(folder: Path) -> dict:
+    """Like quantize.list_tensors, for an already-quantized folder."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
+        else sorted(folder.glob("*.safetensors"))
+    out = {}
+    for f in files:
+        header, start = quantize.read_header(f)
+        out.update({k: (f, m, start) for k, m in header.items()})
+    return out
+
+
+def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk: int = 1024, entropy: bool = False):
+    """log p(targets) under softmax(logits / temperature) for hidden states h (N, H), targets (N,).
+
+    Chunks of `chunk` tokens: each chunk's fp32 (chunk, V) logits are recomputed in backward, never all kept.
+    Returns (logp (N,), entropy (N,) or None); the entropy carries no gradient.
+    """
+    W = model.lm_weight()
+
+    def one(hc, tc):
+        z = F.linear(hc, W).float() / temperature                           # (n, V)
+        return z.gather(-1, tc[:, None])[:, 0] - torch.logsumexp(z, -1)     # (n,)
+
+    lps, ents = [], []
+    for i in range(0, h.shape[0], chunk):
+        hc, tc = h[i:i + chunk], targets[i:i + chunk]
+        lps.append(checkpoint(one, hc, tc, use_reentrant=False) if torch.is_grad_enabled() else one(hc, tc))
+        if entropy:
+            with torch.no_grad():
+                lp = torch.log_softmax(F.linear(hc, W).float() / temperature, -1)
+                ents.append(-(lp.exp() * lp).sum(-1))
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+@torch.no_grad()
+def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Token-by-token greedy decoding with a KV cache (a smoke test; rollout.py has the real engine)."""
+    dev = model.model.norm.weight.device
+    cache = KVCache(model.cfg, 1, len(ids) + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
+    x = torch.tensor([ids], device=dev)
+    out, pos = [], 0
+    for _ in range(max_new_tokens):
+        T = x.shape[1]
+        slots = torch.arange(pos, pos + T, device=dev)
+        valid = torch.ones(1, pos + T, dtype=torch.bool, device=dev)
+        h = model(x, slots[None], attention_mask(valid[:, pos:], valid, slots), cache, slots, pos + T)
+        nxt = int(model.logits(h[:, -1]).argmax(-1))
+        out.append(nxt)
+        if nxt in model.cfg.eos_token_ids:
+            break
+        pos, x = pos + T, torch.tensor([[nxt]], device=dev)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiny random checkpoints of the real architectures (tests, the README demo, train.py's default)
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tests" / "assets" / "qwen2.5-tokenizer"
 TINY_VOCAB = 151936  # the Qwen2.5 embedding size (the tokenizer has 151665 tokens)
-
-# head_dim 32 everywhere (vLLM's CPU attention supports 32); GQA with 2 query heads per kv head.
-TINY_ARCHS = {
-    # Qwen2 / Qwen2.5: qkv bias, tied embeddings
-    "qwen2": dict(cls="Qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),
-    # Qwen3: q_norm / k_norm, no bias, explicit head_dim, untied
-    "qwen3": dict(cls="Qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
-    # Llama 3.x: rope scaling of type llama3, untied
-    "llama": dict(cls="Llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 64}),
-    # Qwen2 with intermediate 72: down_proj has K = 72, not a multiple of 16 (stays bf16 when quantized)
-    "qwen2_oddk": dict(cls="Qwen2", hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+TINY_ARCHS = {  # head_dim 32 (vLLM's CPU attention supports it), GQA 2:1
+    "qwen2": dict(_TINY, cls="Qwen2", tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),  # qkv bias, tied
+    "qwen3": dict(_TINY, cls="Qwen3", head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
+    "llama": dict(_TINY, cls="Llama", tie_word_embeddings=False, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2_oddk": dict(_TINY, cls="Qwen2", intermediate_size=72, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                       rope_theta=1e6),  # down_proj K = 72: not a multiple of 16, stays bf16 when quantized
 }
 
 
@@ -66,26 +403,45 @@ def save_tiny_checkpoint(path, arch: str = "qwen2", dtype=torch.bfloat16, shards
     path = Path(path)
     model = build_tiny_hf(arch, seed, dtype, **overrides)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    max_shard = f"{max(1, total // shards // 1000 + 1)}KB" if shards > 1 else "10GB"
-    model.save_pretrained(path, max_shard_size=max_shard)
+    model.save_pretrained(path, max_shard_size=f"{max(1, total // shards // 1000 + 1)}KB" if shards > 1 else "10GB")
     for f in TOKENIZER_DIR.iterdir():
         shutil.copy2(f, path / f.name)
     return path
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="nanoqerl model utilities.")
-    ap.add_argument("--make-tiny", metavar="DIR", required=True,
-                    help="write a tiny random checkpoint (real architecture, real Qwen2.5 tokenizer) to DIR")
-    ap.add_argument("--arch", default="qwen2", choices=sorted(TINY_ARCHS), help="architecture of the tiny model")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    ap = argparse.ArgumentParser(description="nanoqerl model utilities: a greedy smoke test, or a tiny random checkpoint.")
+    ap.add_argument("--model", help="HF folder or hub id (bf16 or our NVFP4) for the greedy smoke test")
+    ap.add_argument("--prompt", default="What is 2+3?", help="user message, formatted with the chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+    ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 checkpoint to NVFP4 while loading")
+    ap.add_argument("--make-tiny", metavar="DIR", help="write a tiny random checkpoint to DIR instead")
+    ap.add_argument("--arch", default="qwen2", choices=sorted(TINY_ARCHS), help="with --make-tiny: the architecture")
+    ap.add_argument("--seed", type=int, default=0, help="with --make-tiny: the weights' random seed")
     args = ap.parse_args(argv)
-    out = Path(args.make_tiny)
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out} exists and is not empty: choose another folder", file=sys.stderr)
+    print("config:", json.dumps(vars(args)))
+    if args.make_tiny:
+        out = Path(args.make_tiny)
+        if out.exists() and any(out.iterdir()):
+            print(f"error: {out} exists and is not empty: choose another folder", file=sys.stderr)
+            return 2
+        save_tiny_checkpoint(out, args.arch, seed=args.seed)
+        print(f"wrote a tiny random {args.arch} checkpoint to {out}")
+        return 0
+    if not args.model:
+        ap.error("pass --model DIR (or --make-tiny DIR)")
+    from transformers import AutoTokenizer
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = Model.from_pretrained(args.model, device=dev, quantize_on_load=args.quantize_on_load)
+    except (ValueError, quantize.QuantizeError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    save_tiny_checkpoint(out, args.arch, seed=args.seed)
-    print(f"wrote a tiny random {args.arch} checkpoint to {out}")
+    import data
+
+    tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
+    print(tok.decode(greedy(model, data.prompt_token_ids(tok, args.prompt), args.max_new_tokens)))
     return 0
 
 

@@ -1,0 +1,211 @@
+"""lora.py: LoRA adapters on the frozen base model (bf16 or NVFP4 linears), saved and loaded in the PEFT format.
+
+    python lora.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT_DIR]   # check an adapter; optionally export merged bf16
+
+y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (model.Linear holds A (r, in) and
+B (out, r) as fp32 parameters; the product runs in the activations' dtype). B starts at zero, A like PEFT (Kaiming
+uniform), so a fresh adapter changes nothing. Disabling the adapters gives the reference policy for the KL term at
+no memory cost. Files: adapter_config.json + adapter_model.safetensors with PEFT's tensor names
+(base_model.model.<module>.lora_A.weight), so peft.PeftModel and vLLM's LoRA loader read ours and we read theirs.
+
+Leaves out: DoRA, rsLoRA, per-module ranks, bias training, modules_to_save.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import versions
+
+versions.check()
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from torch import nn  # noqa: E402
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PREFIX = "base_model.model."
+
+
+def add_lora(model, rank: int = 32, alpha: float = 64.0, dropout: float = 0.0, targets=DEFAULT_TARGETS,
+             seed: int = 0) -> list[nn.Parameter]:
+    """Attach fresh adapters to the linears whose last name is in `targets`. Returns the trainable parameters."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    known = {n.split(".")[-1] for n, _ in model.linears()}
+    if not set(targets) <= known:
+        raise ValueError(f"unknown LoRA target modules {sorted(set(targets) - known)}; this model has {sorted(known)}")
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for name, lin in model.linears():
+        if name.split(".")[-1] not in targets:
+            continue
+        dev = lin.words.device if lin.words is not None else lin.weight.device
+        A = torch.empty(rank, lin.in_features)
+        bound = 1 / math.sqrt(lin.in_features)  # = kaiming_uniform_(a=sqrt(5)), PEFT's default for lora_A
+        A.uniform_(-bound, bound, generator=g)
+        lin.lora_A = nn.Parameter(A.to(dev))
+        lin.lora_B = nn.Parameter(torch.zeros(lin.out_features, rank, device=dev))
+        lin.lora_scale, lin.lora_dropout, lin.lora_on = alpha / rank, dropout, True
+        params += [lin.lora_A, lin.lora_B]
+    model.lora_config = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(targets)}
+    return params
+
+
+def lora_parameters(model) -> list[nn.Parameter]:
+    return [p for _, lin in model.linears() if lin.lora_A is not None for p in (lin.lora_A, lin.lora_B)]
+
+
+def set_enabled(model, on: bool):
+    for _, lin in model.linears():
+        lin.lora_on = on
+
+
+@contextlib.contextmanager
+def disabled(model):
+    """The base policy (adapters off), e.g. the reference for the KL term."""
+    set_enabled(model, False)
+    try:
+        yield model
+    finally:
+        set_enabled(model, True)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """PEFT tensor names -> fp32 tensors (CPU)."""
+    out = {}
+    for name, lin in model.linears():
+        if lin.lora_A is not None:
+            out[f"{PREFIX}{name}.lora_A.weight"] = lin.lora_A.detach().float().cpu().contiguous()
+            out[f"{PREFIX}{name}.lora_B.weight"] = lin.lora_B.detach().float().cpu().contiguous()
+    return out
+
+
+def save_adapter(model, path, base_model: str = "") -> Path:
+    """Write adapter_config.json + adapter_model.safetensors to `path`, atomically (temp folder, then rename)."""
+    if not getattr(model, "lora_config", None):
+        raise ValueError("the model has no LoRA adapters: call add_lora first")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    c = model.lora_config
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+           "r": c["r"], "lora_alpha": c["lora_alpha"], "lora_dropout": c["lora_dropout"],
+           "target_modules": c["target_modules"], "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+           "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+           "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
+    try:
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(adapter_state(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def load_adapter(model, path) -> dict:
+    """Load a PEFT adapter (ours or peft's) into the model, adding LoRA modules if it has none. Returns its config."""
+    path = Path(path)
+    if not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(f"{path} has no adapter_config.json: pass a folder written by save_adapter or peft")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise ValueError(f"{path}: only plain LoRA adapters are supported (no DoRA / rsLoRA)")
+    targets = cfg["target_modules"]
+    targets = [targets] if isinstance(targets, str) else targets
+    f = path / "adapter_model.safetensors"
+    if not f.exists():
+        raise FileNotFoundError(f"{path} has no adapter_model.safetensors (a .bin adapter must be converted first)")
+    sd = {k.replace(".default.", "."): v for k, v in load_file(f).items()}
+    if getattr(model, "lora_config", None) is None:
+        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), tuple(targets))
+    elif model.lora_config["r"] != cfg["r"] or sorted(model.lora_config["target_modules"]) != sorted(targets):
+        raise ValueError(f"{path}: adapter has r={cfg['r']}, targets {sorted(targets)}; the model's LoRA has "
+                         f"r={model.lora_config['r']}, targets {model.lora_config['target_modules']}")
+    expected = set()
+    with torch.no_grad():
+        for name, lin in model.linears():
+            if lin.lora_A is None:
+                continue
+            for part, param in (("lora_A", lin.lora_A), ("lora_B", lin.lora_B)):
+                key = f"{PREFIX}{name}.{part}.weight"
+                expected.add(key)
+                if key not in sd:
+                    raise ValueError(f"{path}: missing tensor {key}")
+                if tuple(sd[key].shape) != tuple(param.shape):
+                    raise ValueError(f"{path}: tensor {key} has shape {tuple(sd[key].shape)}, the model needs {tuple(param.shape)}")
+                param.copy_(sd[key])
+            lin.lora_scale = cfg["lora_alpha"] / cfg["r"]
+    extra = sorted(set(sd) - expected)
+    if extra:
+        raise ValueError(f"{path}: tensors for modules this model does not have, e.g. {extra[0]}")
+    return cfg
+
+
+def export_merged(model, src_dir, out_dir) -> Path:
+    """Write a bf16 HF folder with W_hat + B @ A * scale merged into every adapted linear (for serving elsewhere)."""
+    import kernels
+    import model as M
+    import quantize
+
+    src, out = quantize.resolve_model_dir(str(src_dir)), Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} exists: choose another folder")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if out.parent.exists() else None))
+    sd = {}
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith(("words", "scales", "global_scale", "inv_freq")) or ".lora_" in name:
+                continue
+            sd[name] = t.to(torch.bfloat16).cpu()
+        for name, lin in model.linears():
+            w = kernels.dequantize_ref(lin.qweight()) if lin.words is not None else lin.weight.float()
+            if lin.lora_A is not None:
+                w = w + (lin.lora_B.float() @ lin.lora_A.float()).to(w.device) * lin.lora_scale
+            sd[name + ".weight"] = w.to(torch.bfloat16).cpu().contiguous()
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((src / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    M.Model.from_pretrained(out)  # the export must load back
+    return out
+
+
+def main(argv=None):
+    import model as M
+
+    ap = argparse.ArgumentParser(description="Check a LoRA adapter against a model; optionally export a merged bf16 model.")
+    ap.add_argument("--model", required=True, help="base model folder or hub id (bf16 or our NVFP4)")
+    ap.add_argument("--adapter", required=True, help="adapter folder (adapter_config.json + adapter_model.safetensors)")
+    ap.add_argument("--merge-to", default=None, help="write a merged bf16 HF folder here")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    try:
+        m = M.Model.from_pretrained(args.model)
+        cfg = load_adapter(m, args.adapter)
+        print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {len(lora_parameters(m)) // 2} linears")
+        if args.merge_to:
+            print(f"wrote {export_merged(m, args.model, args.merge_to)}")
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
