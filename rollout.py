@@ -1,0 +1,268 @@
+"""rollout.py: generation for training and evaluation. A built-in engine over model.py, or vLLM (rollout_vllm.py).
+
+    python rollout.py --model runs/tiny-qwen2 --prompt "What is 2+3?" --n 4 --max-new-tokens 32
+
+One interface: `engine.generate(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed)` ->
+a list of Sample (group-major: the n samples of prompt 0 first), each with the completion tokens, the engine's
+log-probability of each sampled token, and the finish reason ("stop" / "length").
+
+Log-probabilities are of the distribution sampled from: softmax(logits / temperature), restricted and renormalised
+to the top-k / top-p set when those are on (the RL default is top_p = 1, top_k = 0, where this is exactly what the
+trainer computes). With temperature 0 (greedy) they are log softmax(logits).
+
+The built-in engine runs the SAME modules the trainer trains: one copy of the NVFP4 base, LoRA read in place (no
+sync after an optimizer step) and AQN noise through `model.noise`. Prompts are left-padded into one prefill; decode
+steps write a preallocated KV cache (max_batch x max_len). On CUDA each decode step is a CUDA graph per batch
+bucket (1, 2, 4, ...); when finished sequences leave half of a bucket idle, the live ones are compacted into the
+next smaller bucket, so finished rows stop costing work (measured in bench.py rollout).
+
+Leaves out: continuous batching across generate calls, paged attention, speculative decoding, beam search.
+"""
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+import versions
+
+versions.check()
+import torch  # noqa: E402
+
+import model as M  # noqa: E402
+
+
+@dataclass
+class Sample:
+    prompt_idx: int          # index into the prompts list
+    tokens: list             # completion token ids (with the stop token when one ended it)
+    logprobs: list           # the engine's log-prob of each sampled token (see the module docstring)
+    finish_reason: str       # "stop" or "length"
+
+
+def check_request(prompts, n, max_new_tokens, stop_token_ids, vocab_size: int, max_len: int):
+    """Clear errors for bad requests (shared by both engines)."""
+    if not prompts or not all(isinstance(p, (list, tuple)) for p in prompts):
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if len(p) + max_new_tokens > max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+                             f"context of {max_len}: shorten it or lower max_new_tokens")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {vocab_size})")
+    if n < 1:
+        raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    bad = [t for t in (stop_token_ids or []) if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"unknown stop token ids {bad}: the vocabulary has {vocab_size} entries")
+
+
+def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
+    """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled from."""
+    if temperature <= 0:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+    z = logits / temperature                                                   # (B, V)
+    if top_k > 0:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sz, idx = torch.sort(z, dim=-1, descending=True)
+        cum = torch.softmax(sz, -1).cumsum(-1)
+        drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
+        z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(z, -1)                                            # (B, V)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+class Engine:
+    """The built-in engine. max_batch sequences of at most max_len tokens (prompt + completion) at a time."""
+
+    def __init__(self, model: M.Model, max_batch: int = 64, max_len: int = 1024, cuda_graphs: bool = True):
+        self.model, self.max_batch, self.max_len = model, max_batch, max_len
+        self.device = model.model.norm.weight.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        cfg = model.cfg
+        self.cache = M.KVCache(cfg, max_batch, max_len, self.device, self.dtype)
+        self.noise = torch.zeros(cfg.num_layers, 2, cfg.hidden_size, device=self.device)  # static AQN buffer
+        self.graphs = {}   # batch bucket -> (graph, static buffers); rebuilt when the LoRA layout changes
+        self.lora_key = None
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+
+    # -- one decode step on rows [0, b) of the cache, eager or replayed from a graph --------------------------------
+    def _buffers(self, b):
+        return dict(tok=torch.zeros(b, 1, dtype=torch.long, device=self.device),
+                    pos=torch.zeros(b, 1, dtype=torch.long, device=self.device),
+                    valid=torch.zeros(b, self.max_len, dtype=torch.bool, device=self.device),
+                    slot=torch.zeros(1, dtype=torch.long, device=self.device))
+
+    def _step(self, buf, b):
+        cache = M.KVCache.__new__(M.KVCache)
+        cache.k, cache.v, cache.max_len = self.cache.k[:, :b], self.cache.v[:, :b], self.max_len
+        mask = buf["valid"][:, None, None, :]                                   # (b, 1, 1, S)
+        h = self.model(buf["tok"], buf["pos"], mask, cache, buf["slot"], self.max_len)
+        return self.model.logits(h[:, 0]).float()                               # (b, V)
+
+    def _decode(self, b, tok, pos, valid, slot):
+        """Logits (b, V) for one new token per row; on CUDA through the graph of the bucket that holds b rows."""
+        if not self.use_graphs:
+            return self._step(dict(tok=tok, pos=pos, valid=valid, slot=slot), b)
+        n = b
+        b = self._bucket(n)  # pad the rows up to the bucket; the extra rows write unused cache rows
+        tok, pos, valid = self._pad(tok, b), self._pad(pos, b), self._pad(valid, b)
+        if b not in self.graphs:
+            buf = self._buffers(b)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) before capture
+                for _ in range(2):
+                    self._step(buf, b)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = self._step(buf, b)
+            self.graphs[b] = (g, buf, out)
+        g, buf, out = self.graphs[b]
+        buf["tok"].copy_(tok)
+        buf["pos"].copy_(pos)
+        buf["valid"].copy_(valid)
+        buf["slot"].copy_(slot)
+        g.replay()
+        return out[:n]
+
+    def _check_graph_inputs(self):
+        """Captured graphs bake in which linears have LoRA and whether it is on: recapture when that changes."""
+        key = tuple((n, lin.lora_A is not None and lin.lora_on) for n, lin in self.model.linears())
+        if key != self.lora_key:
+            self.graphs, self.lora_key = {}, key
+
+    @torch.no_grad()
+    def generate(self, prompts, n: int = 1, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, stop_token_ids=None, seed: int | None = None) -> list[Sample]:
+        cfg = self.model.cfg
+        check_request(prompts, n, max_new_tokens, stop_token_ids, cfg.vocab_size, self.max_len)
+        stops = set(stop_token_ids if stop_token_ids is not None else cfg.eos_token_ids)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed if seed is not None else torch.randint(0, 2**62, (1,)).item())
+        seqs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]  # group-major
+        was_training, user_noise = self.model.training, self.model.noise
+        self.model.eval()
+        if user_noise is not None:
+            self.noise.copy_(user_noise)
+        else:
+            self.noise.zero_()
+        self.model.noise = self.noise
+        self._check_graph_inputs()
+        try:
+            out = []
+            for s in range(0, len(seqs), self.max_batch):
+                out += self._generate_batch(seqs[s:s + self.max_batch], max_new_tokens, temperature, top_p, top_k,
+                                            stops, gen)
+        finally:
+            self.model.noise = user_noise
+            self.model.train(was_training)
+        return out
+
+    def _generate_batch(self, seqs, max_new, temperature, top_p, top_k, stops, gen):
+        dev, B = self.device, len(seqs)
+        P = max(len(p) for _, p in seqs)
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, self.max_len, dtype=torch.bool, device=dev)  # (row, slot): key present
+        for r, (_, p) in enumerate(seqs):                                       # left padding
+            ids[r, P - len(p):] = torch.tensor(p, device=dev)
+            valid[r, P - len(p):P] = True
+        lengths = valid.sum(-1)                                                 # (B,) prompt lengths
+        cache = M.KVCache.__new__(M.KVCache)                                    # prefill writes slots [0, P)
+        cache.k, cache.v, cache.max_len = self.cache.k[:, :B], self.cache.v[:, :B], self.max_len
+        slots = torch.arange(P, device=dev)
+        pos = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)
+        h = self.model(ids, pos, M.attention_mask(valid[:, :P], valid[:, :P], slots), cache, slots, P)
+        logits = self.model.logits(h[:, -1]).float()                            # (B, V)
+        row_seq = list(range(B))             # cache row -> sequence, None once finished
+        toks, lps, reason = [[] for _ in range(B)], [[] for _ in range(B)], ["length"] * B
+        for t in range(max_new):
+            b = len(row_seq)
+            tok, lp = sample_tokens(logits[:b], temperature, top_p, top_k, gen)
+            for j, (tk, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+                sq = row_seq[j]
+                if sq is None:
+                    continue
+                toks[sq].append(tk)
+                lps[sq].append(l)
+                if tk in stops:
+                    reason[sq], row_seq[j] = "stop", None
+            live = [j for j, sq in enumerate(row_seq) if sq is not None]
+            if not live or t == max_new - 1:
+                break
+            if len(live) <= b // 2 or (not self.use_graphs and len(live) < b):  # compact: live rows to the front
+                idx = torch.tensor(live, device=dev)
+                self.cache.k[:, :len(live)] = self.cache.k[:, idx]
+                self.cache.v[:, :len(live)] = self.cache.v[:, idx]
+                valid[:len(live)] = valid[idx].clone()
+                lengths, tok, row_seq = lengths[idx], tok[idx], [row_seq[j] for j in live]
+                b = len(live)
+            valid[:b, P + t] = True                                             # the token sampled now sits at slot P+t
+            logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
+                                  torch.tensor([P + t], device=dev))
+        return [Sample(seqs[r][0], toks[r], lps[r], reason[r]) for r in range(B)]
+
+    def _bucket(self, b: int) -> int:
+        return min(self.max_batch, 1 << (b - 1).bit_length())
+
+    @staticmethod
+    def _pad(x, b):
+        return x if x.shape[0] == b else torch.cat([x, x[-1:].expand(b - x.shape[0], *x.shape[1:])])
+
+
+def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
+    """'builtin' (needs the Model) or 'vllm' (needs the checkpoint folder; see rollout_vllm.py)."""
+    if kind == "builtin":
+        return Engine(model, **kw)
+    if kind == "vllm":
+        try:
+            from rollout_vllm import VLLMEngine
+        except ImportError as e:
+            raise RuntimeError(f"--engine vllm needs vLLM 0.32 (pip install -e '.[vllm]' on a GPU machine, "
+                               f"./setup.sh --vllm for the CPU build): {e}") from e
+        return VLLMEngine(model_dir, **kw)
+    raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
+
+
+def main(argv=None):
+    import data
+    import quantize
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser(description="Sample completions with the built-in engine (a smoke test).")
+    ap.add_argument("--model", required=True, help="HF folder or hub id (bf16 or our NVFP4)")
+    ap.add_argument("--prompt", action="append", help="a user message (repeatable); chat template applied")
+    ap.add_argument("--n", type=int, default=2, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per sample")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = M.Model.from_pretrained(args.model, device=dev)
+        tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
+        prompts = [data.prompt_token_ids(tok, q) for q in (args.prompt or ["What is 2+3?"])]
+        eng = Engine(model, max_batch=max(1, len(prompts) * args.n), max_len=max(map(len, prompts)) + args.max_new_tokens)
+        outs = eng.generate(prompts, args.n, args.max_new_tokens, args.temperature, args.top_p, args.top_k, seed=args.seed)
+    except (ValueError, quantize.QuantizeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for s in outs:
+        print(f"[prompt {s.prompt_idx}, {s.finish_reason}, mean logprob {sum(s.logprobs) / len(s.logprobs):.2f}] "
+              f"{tok.decode(s.tokens)!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

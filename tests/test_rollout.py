@@ -1,0 +1,140 @@
+"""rollout.py: the built-in engine against step-by-step decoding with model.py, its logprobs against the model's
+log-softmax, stops, lengths, n > 1, mixed prompt lengths, seeding, AQN, and bad input. CPU (and CUDA if present)."""
+import pytest
+import torch
+
+import lora
+import model as M
+import noise
+import quantize as Q
+import rollout as R
+
+PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def models(make_checkpoint, tmp_path_factory):
+    src = make_checkpoint("qwen2", dtype=torch.float32)
+    q = tmp_path_factory.mktemp("q") / "nvfp4"
+    Q.quantize_checkpoint(str(src), str(q), progress=False)
+    return {"fp32": M.Model.from_pretrained(src, DEV, torch.float32), "nvfp4": M.Model.from_pretrained(q, DEV, torch.float32),
+            "bf16": M.Model.from_pretrained(src, DEV, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_greedy_equals_step_by_step_argmax(models, kind):
+    m = models[kind]
+    eng = R.Engine(m, max_batch=8, max_len=64)
+    out = eng.generate(PROMPTS, n=2, max_new_tokens=12, temperature=0.0, stop_token_ids=[])
+    assert [s.prompt_idx for s in out] == [0, 0, 1, 1, 2, 2]  # group-major
+    for s in out:
+        assert s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 12) and s.finish_reason == "length"
+
+
+def recompute_logprobs(m, prompt, tokens, temperature):
+    ids = torch.tensor([prompt + tokens], device=DEV)
+    with torch.no_grad():
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        lp, _ = M.token_logprobs(m, h[len(prompt) - 1:-1], ids[0, len(prompt):], temperature)
+    return lp
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_model_log_softmax(models, temperature):
+    m = models["nvfp4"]
+    out = R.Engine(m, max_batch=4, max_len=64).generate(PROMPTS, n=3, max_new_tokens=10, temperature=temperature, seed=1)
+    for s in out:
+        ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, temperature)
+        assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4), (s.logprobs, ref)
+
+
+def test_top_k_and_top_p_restrict_and_renormalise(models):
+    m = models["fp32"]
+    eng = R.Engine(m, max_batch=8, max_len=64)
+    greedy = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, stop_token_ids=[], seed=3, **kw)
+        assert [s.tokens for s in out] == [s.tokens for s in greedy]
+        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)  # a one-token set has probability 1
+    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, top_k=5, stop_token_ids=[], seed=3)
+    for s in out:  # log-probs under the renormalised top-5 distribution are >= those of the full softmax
+        full = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
+        assert (torch.tensor(s.logprobs) >= full - 1e-5).all() and (torch.tensor(s.logprobs) > full + 1e-4).any()
+
+
+def test_stop_tokens_lengths_and_compaction(models):
+    m = models["fp32"]
+    free = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10, temperature=0.0, stop_token_ids=[])
+    stop = free[1].tokens[3]  # prompt 1 stops by its 4th token; the others may stop elsewhere or run to the limit
+    out = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10, temperature=0.0, stop_token_ids=[stop])
+    for f, s in zip(free, out):
+        if stop in f.tokens:
+            cut = f.tokens.index(stop) + 1
+            assert s.tokens == f.tokens[:cut] and s.finish_reason == "stop"
+        else:
+            assert s.tokens == f.tokens and s.finish_reason == "length" and len(s.tokens) == 10
+    assert out[1].finish_reason == "stop" and len(out[1].tokens) == free[1].tokens.index(stop) + 1 <= 4
+
+
+def test_seeding_reproduces(models):
+    eng = R.Engine(models["nvfp4"], max_batch=16, max_len=64)
+    a = eng.generate(PROMPTS, n=4, max_new_tokens=8, seed=11)
+    b = eng.generate(PROMPTS, n=4, max_new_tokens=8, seed=11)
+    c = eng.generate(PROMPTS, n=4, max_new_tokens=8, seed=12)
+    assert [s.tokens for s in a] == [s.tokens for s in b]
+    assert [s.tokens for s in a] != [s.tokens for s in c]
+    assert len({tuple(s.tokens) for s in a[:4]}) > 1  # the n samples of one prompt differ
+
+
+def test_batches_larger_than_max_batch(models):
+    eng = R.Engine(models["fp32"], max_batch=2, max_len=64)
+    out = eng.generate(PROMPTS, n=2, max_new_tokens=5, temperature=0.0, stop_token_ids=[])
+    assert len(out) == 6 and all(s.tokens == M.greedy(models["fp32"], PROMPTS[s.prompt_idx], 5) for s in out)
+
+
+def test_aqn_noise_and_lora_are_read_in_place(models):
+    m = models["nvfp4"]
+    eng = R.Engine(m, max_batch=8, max_len=64)
+    clean = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)
+    noise.apply(m, 0.5, torch.Generator().manual_seed(0))
+    noisy = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)
+    user = m.noise
+    assert [s.logprobs for s in clean] != [s.logprobs for s in noisy]
+    assert m.noise is user  # the engine restores the caller's noise
+    noise.clear(m)
+    assert [s.logprobs for s in eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)] == \
+        [s.logprobs for s in clean]
+    params = lora.add_lora(m, rank=4, alpha=8)
+    with torch.no_grad():
+        for p in params[1::2]:
+            p.normal_(0, 0.5)  # an "optimizer step": the engine sees it without any sync
+    adapted = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
+    assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in adapted)
+    with lora.disabled(m):
+        base = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
+        assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in base)
+    for lin in [lin for _, lin in m.linears()]:
+        lin.lora_A = lin.lora_B = None
+    m.lora_config = None
+
+
+def test_bad_input(models):
+    eng = R.Engine(models["fp32"], max_batch=4, max_len=32)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        eng.generate([[1, 2], []], max_new_tokens=8)
+    with pytest.raises(ValueError, match="exceeds the context of 32"):
+        eng.generate([[1] * 30], max_new_tokens=8)
+    with pytest.raises(ValueError, match="n .* must be >= 1"):
+        eng.generate([[1, 2]], n=0, max_new_tokens=8)
+    with pytest.raises(ValueError, match="unknown stop token ids"):
+        eng.generate([[1, 2]], stop_token_ids=[10**7], max_new_tokens=8)
+    with pytest.raises(ValueError, match="non-empty list"):
+        eng.generate([])
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="--engine vllm needs vLLM"):
+            R.make_engine("vllm", model_dir="x")
+    with pytest.raises(ValueError, match="unknown engine"):
+        R.make_engine("tgi")
