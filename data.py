@@ -69,6 +69,10 @@ TASKS: dict[str, dict] = {
                   answer="answer", gold="math", kind="math", split="test"),
     "synthetic": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
                       split=None),
+    "synthetic_next": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
+                           split=None),
+    "synthetic_mod10": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
+                            split=None),
 }
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -83,15 +87,27 @@ FORMATS = ("boxed", "think")
 
 # ----------------------------------------------------------------------------- reading data
 
-def synthetic_rows(n: int, seed: int = 0) -> list[dict]:
-    """n tiny arithmetic questions with single-digit answers, e.g. 'What is 3 + 4 modulo 10? ...' -> '7'."""
+def synthetic_rows(n: int, seed: int = 0, kind: str = "copy") -> list[dict]:
+    """n tiny questions with single-digit answers, generated (no file).
+
+    kind "copy" (task `synthetic`, the built-in training demo): 'Which digit is in the brackets: [3]? ...' -> '3',
+    which a tiny model learns by RL in a few minutes; "next" (task `synthetic_next`): 'What digit comes after 3?'
+    -> '4'; "mod10" (task `synthetic_mod10`): 'What is 13 + 24 modulo 10?' -> '7'.
+    """
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+*")
-        value = (a + b if op == "+" else a * b) % 10
-        rows.append({"question": f"What is {a} {op} {b} modulo 10? Answer with a single digit.",
-                     "answer": str(value)})
+        d = rng.randint(0, 9)
+        if kind == "copy":
+            rows.append({"question": f"Which digit is in the brackets: [{d}]? Answer with a single digit.", "answer": str(d)})
+        elif kind == "next":
+            rows.append({"question": f"What digit comes after {d}? Answer with a single digit.",
+                         "answer": str((d + 1) % 10)})
+        else:
+            a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+*")
+            value = (a + b if op == "+" else a * b) % 10
+            rows.append({"question": f"What is {a} {op} {b} modulo 10? Answer with a single digit.",
+                         "answer": str(value)})
     return rows
 
 
@@ -136,8 +152,9 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     spec = TASKS[task]
-    if task == "synthetic":  # generated; `path` is not used
-        source, raw = "synthetic", synthetic_rows(limit if limit is not None else 1000, seed or 0)
+    if task.startswith("synthetic"):  # generated; `path` is not used
+        source = task
+        raw = synthetic_rows(limit if limit is not None else 1000, seed or 0, {"synthetic": "copy"}.get(task, task[10:]))
     else:
         source = path or spec["path"]
         if source is None:

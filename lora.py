@@ -166,7 +166,7 @@ def export_merged(model, src_dir, out_dir) -> Path:
     sd = {}
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name.endswith(("words", "scales", "global_scale", "inv_freq")) or ".lora_" in name:
+            if name.endswith(("words", "scales", "global_scale", "inv_freq")) or ".lora_" in name or ".fused." in name:
                 continue
             sd[name] = t.to(torch.bfloat16).cpu()
         for name, lin in model.linears():

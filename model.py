@@ -119,14 +119,66 @@ class Linear(nn.Module):
         return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
 
     def forward(self, x):                                                     # (..., in) -> (..., out)
-        if self.words is not None:
-            y = kernels.nvfp4_linear(x, self.qweight(), self.bias)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        return self.add_lora(x, base_linear(self, x, self.qweight() if self.words is not None else None))
+
+    def add_lora(self, x, y):
         if self.lora_A is not None and self.lora_on:
             h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
             y = y + (h @ self.lora_A.t().to(x.dtype)) @ self.lora_B.t().to(x.dtype) * self.lora_scale
         return y
+
+
+def base_linear(mod, x, qw):
+    """The frozen base: NVFP4 through kernels (on CPU the reference, with the dequantized weight cached), or bf16."""
+    if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
+        if getattr(mod, "_deq", None) is None:
+            mod._deq = kernels.dequantize_ref(qw, x.dtype)
+        return F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
+    if qw is not None:
+        return kernels.nvfp4_linear(x, qw, mod.bias)
+    return F.linear(x, mod.weight, mod.bias)
+
+
+class Fused(nn.Module):
+    """q/k/v (or gate/up) as ONE base GEMM: their rows concatenated (NVFP4 rows concatenate because the group
+    shares one global scale). The member Linears keep views of their rows (for export) and their LoRA."""
+
+    def __init__(self, lins):
+        super().__init__()
+        nv = lins[0].words is not None
+        self.pads = [lin.words.shape[1] if nv else lin.out_features for lin in lins]  # NVFP4 rows are padded to 128
+        self.in_features, self.n = lins[0].in_features, sum(self.pads)
+        cat = lambda ts, dim: torch.cat(ts, dim)  # noqa: E731
+        self.register_buffer("words", cat([lin.words for lin in lins], 1) if nv else None)
+        self.register_buffer("scales", cat([lin.scales for lin in lins], 1) if nv else None)
+        self.register_buffer("global_scale", lins[0].global_scale if nv else None)
+        self.register_buffer("weight", None if nv else cat([lin.weight for lin in lins], 0))
+        self.register_buffer("bias", None)
+        if lins[0].bias is not None:
+            self.bias = cat([F.pad(lin.bias, (0, p - lin.out_features)) for lin, p in zip(lins, self.pads)], 0)
+        off = 0
+        for lin, p in zip(lins, self.pads):  # views, not copies
+            if nv:
+                lin.words, lin.scales = self.words[:, off:off + p], self.scales[:, off:off + p]
+            else:
+                lin.weight = self.weight[off:off + p]
+            off += p
+
+    def forward(self, x, lins):                                               # -> one output per member
+        qw = kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features) \
+            if self.words is not None else None
+        y, outs, off = base_linear(self, x, qw), [], 0
+        for lin, p in zip(lins, self.pads):
+            outs.append(lin.add_lora(x, y[..., off:off + lin.out_features]))
+            off += p
+        return outs
+
+
+def fuse(mod, names) -> None:
+    lins = [getattr(mod, n) for n in names]
+    same = all(lin.words is not None for lin in lins) and all(torch.equal(lin.global_scale, lins[0].global_scale) for lin in lins)
+    if same or all(lin.weight is not None for lin in lins):
+        mod.fused = Fused(lins)
 
 
 class Norm(nn.Module):
@@ -160,9 +212,9 @@ class Layer(nn.Module):
         cfg, a, m = self.cfg, self.self_attn, self.mlp
         z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
         x = kernels.rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
-        q = a.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = a.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = a.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x)
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = kernels.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), kernels.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, heads, T, D)
@@ -174,7 +226,15 @@ class Layer(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = kernels.rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
-        return h + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+        gate, up = project(m, ("gate_proj", "up_proj"), x)
+        return h + m.down_proj(F.silu(gate) * up)
+
+
+def project(mod, names, x):
+    """The member projections of a fused group in one GEMM (see Fused), or one by one."""
+    lins = [getattr(mod, n) for n in names]
+    fused = getattr(mod, "fused", None)
+    return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
 
 
 class KVCache:
@@ -298,6 +358,8 @@ class Model(nn.Module):
                                                q[pre + ".weight_global_scale"].to(device))
                 for k, w in bf16.items():
                     model.get_submodule(k[:-len(".weight")]).weight = w
+                fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                fuse(layer.mlp, ("gate_proj", "up_proj"))
         return model.eval()
 
 

@@ -295,13 +295,25 @@ def test_format_and_accuracy_weights_are_separate():
 # ----------------------------------------------------------------------------- synthetic task
 
 def test_synthetic_rows():
-    a, b = data.synthetic_rows(200, seed=0), data.synthetic_rows(200, seed=0)
-    assert a == b and a != data.synthetic_rows(200, seed=1)
+    cp = data.synthetic_rows(200, seed=0)
+    assert cp == data.synthetic_rows(200, seed=0) and cp != data.synthetic_rows(200, seed=1)
+    for r in cp:
+        assert r["question"] == f"Which digit is in the brackets: [{r['answer']}]? Answer with a single digit."
+    assert len({r["answer"] for r in cp}) == 10
+    nxt = data.synthetic_rows(200, seed=0, kind="next")
+    assert data.load_rows("synthetic_next", limit=200)[0][0]["question"] == nxt[0]["question"]
+    for r in nxt:
+        d = int(r["question"].split()[4].rstrip("?"))
+        assert r["answer"] == str((d + 1) % 10) and r["question"].startswith("What digit comes after")
+    assert len({r["question"] for r in nxt}) == 10
+    a, b = data.synthetic_rows(200, seed=0, kind="mod10"), data.synthetic_rows(200, seed=0, kind="mod10")
+    assert a == b and a != data.synthetic_rows(200, seed=1, kind="mod10")
     for r in a:
         x, op, y = r["question"].split()[2:5]
         expected = {"+": int(x) + int(y), "*": int(x) * int(y)}[op] % 10
         assert r["answer"] == str(expected) and len(r["answer"]) == 1
         assert r["question"].endswith("modulo 10? Answer with a single digit.")
+    assert data.load_rows("synthetic_mod10", limit=5)[0][0]["question"].endswith("modulo 10? Answer with a single digit.")
     got, stats = data.load_rows("synthetic", limit=20, seed=3)
     assert len(got) == 20 and stats["rows"] == 20 and got[0]["kind"] == "gsm8k"
     assert data.score(f"The result is \\boxed{{{got[0]['gold']}}}", got[0]["gold"], "gsm8k")["correct"]
