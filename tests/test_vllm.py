@@ -1,0 +1,402 @@
+"""rollout_vllm.py on CPU with the CPU build of vLLM (run in the vLLM stage: ./setup.sh --vllm, then
+.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py; skipped where vLLM is not installed).
+
+Everything runs in fp32 (dtype="float32"), so vLLM, our model (model.py, the built-in engine) and transformers differ
+only by the order of floating-point operations: log-probs (around -11 for this random tiny model) agree to 1e-4, and
+greedy tokens exactly. Noise / LoRA / seed effects are asserted to be far above that (>= 1e-2), so a test that
+compares two states can fail.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process (rollout_vllm requires it)
+torch._dynamo.config.disable = True   # = TORCHDYNAMO_DISABLE=1: else vLLM's first logprobs call compiles for ~11 s
+
+import lora  # noqa: E402
+import model as M  # noqa: E402
+import noise  # noqa: E402
+import quantize as Q  # noqa: E402
+import rollout as R  # noqa: E402
+import rollout_vllm as RV  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
+LONG = (PROMPTS[2] * 4)[:40]   # a prompt with one full KV block (32 tokens), so the prefix cache can reuse it
+TOL = 1e-4
+
+
+def gap(a, b) -> float:
+    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
+
+
+@pytest.fixture(scope="module")
+def engines(make_checkpoint, tmp_path_factory):
+    """engines(arch) -> (VLLMEngine, NVFP4 folder). One vLLM engine lives at a time: asking for another arch closes it."""
+    live = {}
+
+    def get(arch="qwen2"):
+        if live.get("arch") != arch or live["engine"].llm is None:
+            if live:
+                live["engine"].close()
+            folder = tmp_path_factory.mktemp("vllm") / f"{arch}-nvfp4"
+            Q.quantize_checkpoint(str(make_checkpoint(arch)), str(folder), progress=False)
+            live.update(arch=arch, folder=folder, engine=RV.VLLMEngine(
+                str(folder), max_model_len=128, dtype="float32", max_lora_rank=16, block_size=32))  # 32: see LONG
+        return live["engine"], live["folder"]
+
+    yield get
+    if live:
+        live["engine"].close()
+
+
+def reset(e):
+    e.wake()
+    e.set_noise(None)
+    e.sync_lora(None)
+
+
+@pytest.fixture
+def eng(engines):
+    """The qwen2 engine awake, with no adapter and no noise, before and after the test."""
+    e, _ = engines("qwen2")
+    reset(e)
+    yield e
+    reset(e)
+
+
+@pytest.fixture
+def ours(engines):
+    """Our model (model.py, fp32) on the same NVFP4 folder: the trainer and the built-in engine."""
+    return M.Model.from_pretrained(engines("qwen2")[1], "cpu", torch.float32)
+
+
+def hf_model(folder):
+    """transformers' model of the folder (loaded through compressed-tensors), in fp32 with the exact NVFP4 weights:
+    compressed-tensors dequantizes to bf16, which alone would move log-probs by ~1e-3."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CompressedTensorsConfig(dequantize=True))
+    hf = hf.float().eval()
+    sd = load_file(folder / "model.safetensors")
+    replaced = 0
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if name + ".weight_packed" in sd:
+                mod.weight.copy_(Q.dequantize_weight(sd[name + ".weight_packed"], sd[name + ".weight_scale"],
+                                                     sd[name + ".weight_global_scale"], dtype=torch.float32))
+                replaced += 1
+    assert replaced == sum(k.endswith(".weight_packed") for k in sd)
+    return hf
+
+
+def hf_prompt_logprobs(hf, prompts):
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            lp = torch.log_softmax(hf(ids).logits[0].float(), -1)               # (T, V)
+            out.append(lp[:-1].gather(-1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def greedy_under(m, prompt, tokens):
+    """The tokens greedy decoding with our model m picks after each prefix of prompt + tokens (one forward pass):
+    equal to `tokens` exactly when `tokens` is m's greedy continuation."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        return m.logits(h[len(prompt) - 1:-1]).argmax(-1).tolist()
+
+
+def hf_greedy(hf, prompt, n):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Our quantization method is the one vLLM runs
+
+def test_our_quant_method_runs_every_linear(eng):
+    def methods(model):
+        return {n.removesuffix(".base_layer"): type(m.quant_method).__name__ for n, m in model.named_modules()
+                if isinstance(m, RV.LinearBase) and m.quant_method is not None}
+
+    found = eng.llm.apply_model(methods)[0]
+    assert sorted({n.split(".")[-1] for n in found}) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert set(found.values()) == {"NVFP4LinearMethod"}, found
+    kinds = eng.llm.apply_model(lambda m: {tuple(m.model.layers[0].self_attn.qkv_proj.base_layer.weight_packed.shape)})[0]
+    assert kinds == {(1, 128, 16)}          # the kernel layout of pack_nvfp4: (K/128, N padded to 128, 16) words
+    before = RV.STATS["apply_calls"]
+    eng.generate([PROMPTS[0]], max_new_tokens=5, temperature=0.0, stop_token_ids=[])
+    assert RV.STATS["apply_calls"] - before == 4 * 2 * 5   # 4 linears x 2 layers x 5 forward steps, no other path
+
+
+def test_fused_shard_loader_offsets_and_shared_scale():
+    torch.manual_seed(0)
+    K, sizes = 64, [64, 32, 32]                                               # q, k, v rows
+    ws = [torch.randn(n, K) for n in sizes]
+    shared = Q.global_scale_from_amax(torch.cat(ws).abs().max().item())      # one global scale for the fused group
+    parts = [Q.quantize_weight(w, shared) for w in ws]
+    layer = torch.nn.Module()
+    layer.prefix = "model.layers.0.self_attn.qkv_proj"
+    meth = RV.NVFP4LinearMethod()
+    meth.create_weights(layer, K, sizes, K, sum(sizes), torch.float32)
+    for shard, (packed, scale, gs) in zip("qkv", parts):
+        for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
+            p = getattr(layer, name)
+            p.weight_loader(p, t, shard)
+    meth.process_weights_after_loading(layer)
+    x = torch.randn(3, K)
+    ref = torch.cat([Q.dequantize_weight(*p, dtype=torch.float32) for p in parts])   # (128, K)
+    assert torch.allclose(meth.apply(layer, x), x @ ref.t(), atol=1e-5)
+
+    bad = torch.nn.Module()
+    bad.prefix = layer.prefix
+    meth.create_weights(bad, K, sizes, K, sum(sizes), torch.float32)
+    for i, (shard, (packed, scale, gs)) in enumerate(zip("qkv", parts)):
+        for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs * (1 + i))):
+            getattr(bad, name).weight_loader(getattr(bad, name), t, shard)
+    with pytest.raises(ValueError, match="different global scales"):
+        meth.process_weights_after_loading(bad)
+    with pytest.raises(ValueError, match="shape"):
+        bad.weight_packed.weight_loader(bad.weight_packed, torch.zeros(33, K // 2, dtype=torch.uint8), "k")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Numerics: vLLM = our model (the built-in engine) = transformers
+
+def test_prompt_logprobs_match_ours_and_transformers(eng, ours, engines):
+    lp = eng.prompt_logprobs(PROMPTS)
+    assert [len(x) for x in lp] == [len(p) - 1 for p in PROMPTS]
+    assert gap(lp, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+    assert gap(lp, hf_prompt_logprobs(hf_model(engines("qwen2")[1]), PROMPTS)) < TOL
+
+
+def test_greedy_matches_builtin_engine_and_transformers(eng, ours, engines):
+    out = eng.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
+    builtin = R.Engine(ours, max_batch=8, max_len=64).generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0,
+                                                               stop_token_ids=[])
+    assert [s.prompt_idx for s in out] == [0, 0, 1, 1, 2, 2]                  # group-major
+    assert [s.tokens for s in out] == [s.tokens for s in builtin]
+    assert gap([s.logprobs for s in out], [s.logprobs for s in builtin]) < TOL
+    hf = hf_model(engines("qwen2")[1])
+    assert [s.tokens for s in out[::2]] == [hf_greedy(hf, p, 8) for p in PROMPTS]
+    assert all(s.finish_reason == "length" and len(s.tokens) == 8 for s in out)
+
+
+def recompute(m, prompt, tokens, temperature):
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        return M.token_logprobs(m, h[len(prompt) - 1:-1], ids[0, len(prompt):], temperature)[0].tolist()
+
+
+def test_sampled_logprobs_are_the_tempered_softmax(eng, ours):
+    out = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=[])
+    assert [s.prompt_idx for s in out] == [0, 0, 0, 1, 1, 1]
+    ref = [recompute(ours, PROMPTS[s.prompt_idx], s.tokens, 0.7) for s in out]
+    assert gap([s.logprobs for s in out], ref) < TOL
+    raw = [recompute(ours, PROMPTS[s.prompt_idx], s.tokens, 1.0) for s in out]
+    assert gap([s.logprobs for s in out], raw) > 1e-2                         # falsifiable: untempered is far off
+    again = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=[])
+    other = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=2, stop_token_ids=[])
+    assert again == out and [s.tokens for s in other] != [s.tokens for s in out]
+    assert len({tuple(s.tokens) for s in out[:3]}) == 3                       # the n samples of a prompt differ
+    t1 = eng.generate(PROMPTS[:1], max_new_tokens=6, temperature=1.0, seed=1, stop_token_ids=[])[0]
+    assert gap([t1.logprobs], [recompute(ours, PROMPTS[0], t1.tokens, 1.0)]) < TOL
+
+
+def test_top_k_one_is_greedy_with_probability_one(eng):
+    greedy = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, stop_token_ids=[], seed=3, **kw)
+        assert [s.tokens for s in out] == [s.tokens for s in greedy]
+        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)          # renormalised over a one-token set
+
+
+def test_stop_tokens_and_lengths(eng):
+    g = eng.generate([PROMPTS[1]], max_new_tokens=8, temperature=0.0, stop_token_ids=[])[0].tokens
+    j = max(g.index(t) for t in g)                                            # a token's first appearance, latest
+    assert j > 0                                                              # (else the test would be vacuous)
+    out = eng.generate([PROMPTS[1]], max_new_tokens=8, temperature=0.0, stop_token_ids=[g[j]])[0]
+    assert out.tokens == g[:j + 1] and out.finish_reason == "stop"            # the stop token is included
+    out = eng.generate([PROMPTS[1]], max_new_tokens=3, temperature=0.0, stop_token_ids=[])[0]
+    assert out.tokens == g[:3] and out.finish_reason == "length" and len(out.logprobs) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LoRA sync
+
+def randomize_b(policy, std, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, lin in policy.linears():
+            lin.lora_B.add_(torch.randn(lin.lora_B.shape, generator=g) * std)   # like an optimizer step on B
+
+
+def test_lora_sync_changes_output_and_matches_peft(eng, ours, engines, tmp_path):
+    from peft import PeftModel
+
+    base = eng.prompt_logprobs(PROMPTS)
+    lora.add_lora(ours, rank=8, alpha=16, seed=1)
+    randomize_b(ours, 0.05, seed=2)
+    gap1 = eng.sync_lora(ours, probe=PROMPTS)
+    first = eng.prompt_logprobs(PROMPTS)
+    assert gap1 < TOL and gap(first, base) > 1e-2
+    peft = PeftModel.from_pretrained(hf_model(engines("qwen2")[1]), str(lora.save_adapter(ours, tmp_path / "a1"))).eval()
+    assert gap(first, hf_prompt_logprobs(peft, PROMPTS)) < TOL
+    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, stop_token_ids=[])
+    assert all(greedy_under(ours, PROMPTS[s.prompt_idx], s.tokens) == s.tokens for s in out)
+
+    randomize_b(ours, 0.05, seed=3)                                            # the next optimizer step
+    assert eng.probe_gap(ours, PROMPTS) > 1e-2                                 # before the sync: the probe sees it
+    id1 = eng.lora.lora_int_id
+    assert eng.sync_lora(ours, probe=PROMPTS) < TOL
+    second = eng.prompt_logprobs(PROMPTS)
+    assert eng.lora.lora_int_id > id1 and eng.llm.llm_engine.list_loras() == {eng.lora.lora_int_id}
+    assert gap(second, first) > 1e-2
+    assert gap(second, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+
+    eng.sync_lora(None)                                                        # the base alone again, untouched
+    assert gap(eng.prompt_logprobs(PROMPTS), base) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# AQN noise in vLLM's norms
+
+def norm_state(model):
+    return [(l.input_layernorm.weight.detach().clone(), l.post_attention_layernorm.weight.detach().clone())
+            for l in model.model.layers]
+
+
+def test_noise_matches_ours_and_never_accumulates(eng, ours):
+    clean_w = eng.llm.apply_model(norm_state)[0]
+    clean = eng.prompt_logprobs(PROMPTS)
+    g = torch.Generator().manual_seed(0)
+    z1, z2 = noise.sample(2, 64, 0.1, g), noise.sample(2, 64, 0.1, g)
+    for _ in range(3):                                                         # the same noise set 3 times = once
+        eng.set_noise(z1)
+    w = eng.llm.apply_model(norm_state)[0]
+    for i in range(2):
+        for j in range(2):
+            assert torch.equal(w[i][j], (clean_w[i][j].float() + z1[i, j]).to(w[i][j].dtype))
+    once = eng.prompt_logprobs(PROMPTS)
+    ours.noise = z1
+    assert gap(once, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL and gap(once, clean) > 1e-2
+    eng.set_noise(z2)                                                          # replaces z1, does not add to it
+    ours.noise = z2
+    assert gap(eng.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+    eng.set_noise(None)
+    assert eng.prompt_logprobs(PROMPTS) == clean
+    assert all(torch.equal(a, b) for x, y in zip(eng.llm.apply_model(norm_state)[0], clean_w) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("layer,which", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_noise_in_each_norm_call(eng, ours, layer, which):
+    """Layer 0's input_layernorm is called without a residual, the other norms with one: each must take the noise."""
+    z = torch.zeros(2, 2, 64)
+    z[layer, which] = noise.sample(1, 64, 0.3, torch.Generator().manual_seed(layer * 2 + which))[0, 0]
+    clean = eng.prompt_logprobs(PROMPTS)
+    eng.set_noise(z)
+    noisy = eng.prompt_logprobs(PROMPTS)
+    ours.noise = z
+    assert gap(noisy, clean) > 1e-2 and gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+
+
+def test_generation_sees_new_noise_not_cached_prefixes(eng, ours):
+    """The same prompt before and after set_noise: its cached keys/values (old norms) must not be reused."""
+    clean = eng.generate([LONG], max_new_tokens=4, temperature=0.0, stop_token_ids=[])[0]
+    z = noise.sample(2, 64, 0.5, torch.Generator().manual_seed(7))
+    eng.set_noise(z)
+    noisy = eng.generate([LONG], max_new_tokens=4, temperature=0.0, stop_token_ids=[])[0]
+    ours.noise = z
+    assert gap([noisy.logprobs], [clean.logprobs]) > 1e-2
+    assert gap([noisy.logprobs], [recompute(ours, LONG, noisy.tokens, 1.0)]) < TOL
+    assert greedy_under(ours, LONG, noisy.tokens) == noisy.tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sleep / wake, bad input
+
+def test_sleep_and_wake_keep_the_model(eng):
+    before = eng.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[])
+    eng.sleep()                                                                # on CPU: no sleep mode, nothing freed
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate(PROMPTS, max_new_tokens=4)
+    eng.wake()
+    assert eng.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[]) == before
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompts=[]), "non-empty"), (dict(prompts=[[]]), "empty"), (dict(n=0), "samples per prompt"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=200), "context"),
+    (dict(prompts=[[999999]]), "vocabulary"), (dict(stop_token_ids=[-1]), "stop token"),
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k")])
+def test_bad_requests(eng, kw, match):
+    args = dict(prompts=PROMPTS, n=1, max_new_tokens=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        eng.generate(**args)
+
+
+def test_bad_noise_and_adapters(eng, ours):
+    with pytest.raises(ValueError, match="shape"):
+        eng.set_noise(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="NaN"):
+        eng.set_noise(torch.full((2, 2, 64), float("nan")))
+    with pytest.raises(ValueError, match="no LoRA"):
+        eng.sync_lora(ours)
+    lora.add_lora(ours, rank=32)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        eng.sync_lora(ours)
+
+
+def test_bad_folders_fail_before_vllm_starts(tmp_path, engines):
+    with pytest.raises(Q.QuantizeError, match="no such folder"):
+        RV.VLLMEngine(str(tmp_path / "missing"), max_model_len=64)
+    _, folder = engines("qwen2")
+    (tmp_path / "gptq").mkdir()
+    (tmp_path / "gptq" / "config.json").write_text((folder / "config.json").read_text().replace(
+        '"compressed-tensors"', '"gptq"'))
+    with pytest.raises(ValueError, match="only bf16 checkpoints and our NVFP4"):
+        RV.VLLMEngine(str(tmp_path / "gptq"), max_model_len=64)
+    with pytest.raises(RuntimeError, match="another VLLMEngine"):
+        RV.VLLMEngine(str(folder), max_model_len=64)
+
+
+def test_missing_vllm_is_a_clear_error():
+    code = f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); import rollout_vllm"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "needs vllm==0.32.0" in r.stderr and "./setup.sh --vllm" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other architectures (last: each closes the qwen2 engine)
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2_oddk"])
+def test_other_architectures_match_ours(engines, arch):
+    e, folder = engines(arch)
+    m = M.Model.from_pretrained(folder, "cpu", torch.float32)
+    assert gap(e.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(m, PROMPTS)) < TOL
+    out = e.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[])
+    assert all(greedy_under(m, PROMPTS[s.prompt_idx], s.tokens) == s.tokens for s in out)
+    if arch == "qwen3":       # an untied lm_head: vLLM's LoRA must leave it alone (its LoRA logits path breaks here)
+        lora.add_lora(m, rank=8, alpha=16)
+        randomize_b(m, 0.05, seed=4)
+        assert e.sync_lora(m, probe=PROMPTS) < TOL
+    if arch == "qwen2_oddk":  # down_proj (K = 72) is in the checkpoint's ignore list: vLLM's unquantized linear
+        kinds = e.llm.apply_model(lambda mod: {type(mod.model.layers[0].mlp.down_proj.base_layer.quant_method).__name__,
+                                               type(mod.model.layers[0].mlp.gate_up_proj.base_layer.quant_method).__name__})
+        assert kinds[0] == {"UnquantizedLinearMethod", "NVFP4LinearMethod"}
