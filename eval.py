@@ -1,0 +1,139 @@
+"""eval.py: accuracy on GSM8K / MATH-500 / AIME24 / AIME25 / AMC23 (and the synthetic task), any model we load.
+
+    python eval.py --model Qwen2.5-7B-Instruct-NVFP4 --task gsm8k                      # greedy pass@1
+    python eval.py --model DIR --adapter runs/dapo/checkpoints/step_000100/adapter --task math500 --n 4 --temperature 0.6
+    python eval.py --model runs/tiny-qwen2 --task gsm8k --limit 4 --engine builtin      # tiny, CPU
+
+Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for k = 1, 2, 4, ...
+<= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and the mean response length. Writes
+`samples.jsonl` (every prompt, response, extracted answer and score) and `summary.json` to --out. Uses the same
+prompts, answer extraction and fail-closed scoring as training (data.py).
+
+Leaves out: majority voting, LLM judges, multiple-choice letter matching, code tasks.
+"""
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import versions
+
+versions.check()
+import torch  # noqa: E402
+
+import data  # noqa: E402
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+             max_new_tokens: int = 1024, fmt: str = "boxed", seed: int = 0, batch_prompts: int = 32,
+             out_dir: str | None = None, progress: bool = True) -> dict:
+    """Generate n completions for each row, score them, and summarise (see the module docstring)."""
+    from tqdm import tqdm
+
+    t0, records, per_prompt = time.time(), [], []
+    prompts = [data.prompt_token_ids(tokenizer, r["question"], fmt) for r in rows]
+    stops = [t for t in (tokenizer.convert_tokens_to_ids(x) for x in ("<|im_end|>", "<|endoftext|>")) if t is not None]
+    with tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress) as bar:
+        for s in range(0, len(rows), batch_prompts):
+            chunk = rows[s:s + batch_prompts]
+            outs = engine.generate(prompts[s:s + batch_prompts], n=n, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, stop_token_ids=stops, seed=seed + s)
+            for i, row in enumerate(chunk):
+                mine = [o for o in outs if o.prompt_idx == i]
+                correct = 0
+                for o in mine:
+                    text = tokenizer.decode(o.tokens, skip_special_tokens=True)
+                    sc = data.score(text, row["gold"], row["kind"], fmt)
+                    correct += sc["correct"]
+                    records.append(dict(index=row.get("index", s + i), question=row["question"], gold=row["gold"],
+                                        response=text, pred=sc["pred"], correct=sc["correct"],
+                                        parse_failed=sc["parse_failed"], format_ok=sc["format_ok"],
+                                        length=len(o.tokens), finish_reason=o.finish_reason))
+                per_prompt.append(correct)
+            bar.update(len(chunk))
+    P = len(per_prompt)
+    p1 = [c / n for c in per_prompt]
+    mean = sum(p1) / P
+    sd = math.sqrt(sum((x - mean) ** 2 for x in p1) / max(1, P - 1))
+    summary = {"prompts": P, "samples_per_prompt": n, "pass@1": mean,
+               "pass@1_ci95": [max(0.0, mean - 1.96 * sd / math.sqrt(P)), min(1.0, mean + 1.96 * sd / math.sqrt(P))],
+               **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in per_prompt) / P for k in (2 ** i for i in range(1, 10)) if k <= n},
+               "parse_fail_rate": sum(r["parse_failed"] for r in records) / len(records),
+               "format_rate": sum(r["format_ok"] for r in records) / len(records),
+               "mean_length": sum(r["length"] for r in records) / len(records),
+               "truncated_rate": sum(r["finish_reason"] == "length" for r in records) / len(records),
+               "seconds": time.time() - t0}
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "samples.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(argv=None):
+    import lora
+    import model as M
+    import quantize
+    import rollout
+    from transformers import AutoTokenizer
+
+    ap = argparse.ArgumentParser(description="Evaluate a model (bf16 or NVFP4, optionally with a LoRA adapter) on a math task.")
+    ap.add_argument("--model", required=True, help="HF folder or hub id, bf16 or our NVFP4 checkpoint")
+    ap.add_argument("--adapter", default=None, help="a LoRA adapter folder (PEFT format) to apply")
+    ap.add_argument("--task", default="gsm8k", help=f"one of: {', '.join(data.TASKS)}")
+    ap.add_argument("--data", default=None, help="JSONL path overriding the task's bundled file")
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt (pass@1 is their mean; pass@k for k <= n)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per response")
+    ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
+    ap.add_argument("--fmt", default="boxed", choices=data.FORMATS, help="prompt / answer format")
+    ap.add_argument("--engine", default="builtin", choices=["builtin", "vllm"], help="rollout backend")
+    ap.add_argument("--batch-prompts", type=int, default=32, help="prompts per generate call")
+    ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 model to NVFP4 while loading")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--out", default=None, help="output folder (default: runs/eval-<task>-<time>)")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        rows, stats = data.load_rows(args.task, args.data, args.limit)
+        tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
+        max_prompt = max(len(data.prompt_token_ids(tok, r["question"], args.fmt)) for r in rows)
+        batch = args.batch_prompts * args.n
+        if args.engine == "builtin":
+            model = M.Model.from_pretrained(args.model, device=dev, quantize_on_load=args.quantize_on_load)
+            if args.adapter:
+                lora.load_adapter(model, args.adapter)
+            engine = rollout.make_engine("builtin", model, max_batch=batch, max_len=max_prompt + args.max_new_tokens)
+        else:
+            engine = rollout.make_engine("vllm", model_dir=args.model, max_model_len=max_prompt + args.max_new_tokens)
+            if args.adapter:
+                engine.load_adapter_dir(args.adapter)
+        out = args.out or f"runs/eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+        s = evaluate(engine, tok, rows, args.n, args.temperature, args.top_p, args.max_new_tokens, args.fmt,
+                     args.seed, args.batch_prompts, out)
+    except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.task}: pass@1 {s['pass@1']:.4f} (95% CI {s['pass@1_ci95'][0]:.4f}-{s['pass@1_ci95'][1]:.4f}) over "
+          f"{s['prompts']} prompts x {args.n}; parse failures {s['parse_fail_rate']:.3f}; mean length "
+          f"{s['mean_length']:.1f}; rows skipped {stats.get('skipped_no_answer', 0) + stats.get('skipped_bad_gold', 0)}")
+    print(f"wrote {out}/samples.jsonl and {out}/summary.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
