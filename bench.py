@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import sys
+import time
 
 import torch
 
@@ -169,6 +170,208 @@ def bench_rmsnorm(out: dict):
     out["rmsnorm"] = rows
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Model, rollout and RL-step benchmarks on random weights of real shapes
+
+QWEN = {"7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+        "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                    num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)}
+
+
+def random_model(size: str, nvfp4: bool):
+    """A Qwen2.5-shaped model.Model with random weights on the GPU (quantized layer by layer when nvfp4)."""
+    import kernels
+    import model as M
+    import quantize
+
+    cfg = M.config_from_hf(dict(architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1e6,
+                                max_position_embeddings=32768, eos_token_id=151645, **QWEN[size]))
+    with torch.device("meta"):
+        m = M.Model(cfg).to(torch.bfloat16)
+    m.to_empty(device="cuda")
+    m.inv_freq = M.rope_inv_freq(cfg).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for p_ in m.parameters():
+            p_.normal_(0, 0.02, generator=g) if p_.dim() == 2 else p_.fill_(1.0)
+        for layer in m.model.layers:
+            lins = {n: lin for n, lin in layer.named_modules() if isinstance(lin, M.Linear)}
+            w = {n: torch.randn(lin.out_features, lin.in_features, device="cuda", generator=g).mul_(0.02).to(torch.bfloat16)
+                 for n, lin in lins.items()}
+            for n, lin in lins.items():
+                if lin.has_bias:
+                    lin.bias = torch.zeros(lin.out_features, device="cuda", dtype=torch.bfloat16)
+            if nvfp4:
+                q, _ = quantize.quantize_state_dict({f"model.layers.0.{n}.weight": t for n, t in w.items()}, device="cuda")
+                for n, lin in lins.items():
+                    k = f"model.layers.0.{n}."
+                    lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                        q[k + "weight_packed"].cuda(), q[k + "weight_scale"].cuda(), q[k + "weight_global_scale"].cuda())
+            else:
+                for n, lin in lins.items():
+                    lin.weight = w[n]
+            del w
+            M.fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+            M.fuse(layer.mlp, ("gate_proj", "up_proj"))
+    torch.cuda.empty_cache()
+    return m.eval()
+
+
+def weight_bytes(m) -> int:
+    seen, total = set(), 0
+    for t in list(m.parameters()) + list(m.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def bench_model(out: dict, size: str = "7b"):
+    """Weight memory, and a forward + backward over 8 x 1024 tokens with LoRA r32 and checkpointing."""
+    import lora
+    import model as M
+
+    rows = []
+    for nv in (True, False):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        m = random_model(size, nv)
+        wb = weight_bytes(m)
+        lora.add_lora(m, 32, 64)
+        m.grad_checkpoint = True
+        m.train()
+        ids = torch.randint(0, 150000, (8, 1024), device="cuda")
+        valid = torch.ones_like(ids, dtype=torch.bool)
+
+        def fwd_bwd():
+            h = m.forward_padded(ids, valid)
+            lp, _ = M.token_logprobs(m, h.reshape(-1, h.shape[-1]), ids.reshape(-1))
+            lp.mean().backward()
+
+        fwd_bwd()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        import triton.testing
+        ms = triton.testing.do_bench(fwd_bwd, warmup=1, rep=3, return_mode="median")
+        rows.append(dict(base="nvfp4" if nv else "bf16", weights_GB=wb / 1e9, fwd_bwd_ms=ms,
+                         peak_GB=torch.cuda.max_memory_allocated() / 1e9))
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
+        del m
+    out["model_" + size] = rows
+
+
+def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256, bases=("nvfp4", "bf16"),
+                  hf: bool = True):
+    """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS ignored."""
+    import rollout
+
+    rows = []
+    for base in bases:
+        m = random_model(size, base == "nvfp4")
+        wb = weight_bytes(m)
+        for B in batches:
+            try:
+                eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
+                prompts = torch.randint(0, 150000, (B, prompt)).tolist()
+                eng.generate(prompts, max_new_tokens=4, stop_token_ids=[])           # compile + capture the graph
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.time()
+                outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
+                torch.cuda.synchronize()
+                dt = time.time() - t0
+                toks = sum(len(o.tokens) for o in outs)
+                kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
+                row = dict(size=size, base=base, batch=B, tok_s=toks / dt, ms_per_step=1e3 * dt / new_tokens,
+                           roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
+                           peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+                del eng
+            except torch.cuda.OutOfMemoryError:
+                row = dict(size=size, base=base, batch=B, oom=True)
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        del m
+        torch.cuda.empty_cache()
+    if hf:
+        rows += bench_hf_generate(size, [b for b in batches if b <= 64], new_tokens, prompt)
+    out.setdefault("rollout", []).extend(rows)
+
+
+def bench_hf_generate(size, batches, new_tokens, prompt):
+    import transformers
+
+    cfg = transformers.Qwen2Config(rms_norm_eps=1e-6, max_position_embeddings=32768, **QWEN[size])
+    with torch.device("cuda"):
+        hf = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    rows = []
+    for B in batches:
+        ids = torch.randint(0, 150000, (B, prompt), device="cuda")
+        hf.generate(ids[:, :8], max_new_tokens=2, do_sample=True, pad_token_id=0)
+        torch.cuda.synchronize()
+        t0 = time.time()
+        o = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=0)
+        torch.cuda.synchronize()
+        rows.append(dict(size=size, base="transformers-bf16", batch=B, tok_s=B * (o.shape[1] - prompt) / (time.time() - t0)))
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
+    del hf
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8, prompt_len: int = 256, new_tokens: int = 512):
+    """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2 minibatch updates."""
+    import grpo
+    import lora
+    import rollout
+    import train
+
+    rows = []
+    for base in ("nvfp4", "bf16"):
+        m = random_model(size, base == "nvfp4")
+        params = lora.add_lora(m, 32, 64)
+        m.grad_checkpoint = True
+        opt_ = torch.optim.AdamW(params, lr=1e-5)
+        eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
+        P = torch.randint(0, 150000, (prompts, prompt_len)).tolist()
+        try:
+            for it in range(2):  # the first step includes compilation and graph capture; report the second
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.time()
+                samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=it)
+                torch.cuda.synchronize()
+                t1 = time.time()
+                groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(prompts)]
+                adv = grpo.group_advantages(torch.rand(prompts, group))
+                b = train.make_batch(groups, adv, torch.device("cuda"))
+                S = b["ids"].shape[0]
+                with torch.no_grad():
+                    old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
+                m.train()
+                for mb in torch.arange(S, device="cuda").chunk(2):
+                    for c in mb.split(8):
+                        lp, _ = train.policy_logprobs(m, b, c, 1.0)
+                        loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
+                                                   num_tokens=b["mask"][mb].sum().item())
+                        loss.backward()
+                    opt_.step()
+                    opt_.zero_grad(set_to_none=True)
+                m.eval()
+                torch.cuda.synchronize()
+                t2 = time.time()
+            row = dict(size=size, base=base, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
+                       peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+        except torch.cuda.OutOfMemoryError:
+            row = dict(size=size, base=base, oom=True)
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+        del m, eng, opt_
+        torch.cuda.empty_cache()
+    out.setdefault("rl_step", []).extend(rows)
+
+
 def run_one(shape: str, M: int, config: str | None, iters: int):
     """A few plain calls of one GEMM, for profilers: ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1"""
     import kernels
@@ -185,7 +388,13 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="nanoqerl GPU benchmarks (print measured numbers; need a CUDA GPU).")
-    ap.add_argument("what", choices=["kernels", "one"], help="kernels: the tables; one: a single GEMM (for profilers)")
+    ap.add_argument("what", choices=["kernels", "model", "rollout", "train", "one"],
+                    help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
+                         "train: one RL step; one: a single GEMM (for profilers)")
+    ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train")
+    ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
+    ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
+    ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
@@ -201,6 +410,19 @@ def main(argv=None):
     if args.what == "one":
         return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.what in ("model", "rollout", "train"):
+        out["copy_GBps"] = copy_bandwidth()
+        print(f"device {torch.cuda.get_device_name()}  copy bandwidth {out['copy_GBps']:.0f} GB/s")
+        if args.what == "model":
+            bench_model(out, args.size)
+        elif args.what == "rollout":
+            bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf)
+        else:
+            bench_rl_step(out, args.size, new_tokens=args.new_tokens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     parts = args.parts.split(",")
     if "gemm" in parts:
         bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out)
