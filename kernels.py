@@ -25,6 +25,7 @@ call is one launch. Large M (>= LARGE_M tokens) dequantizes once and calls torch
 
 Leaves out: FP4 activations (Blackwell only), fused LoRA in the GEMM epilogue, non-Hopper tuning.
 """
+import functools
 import os
 from typing import NamedTuple
 
@@ -70,6 +71,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 ROT = ((0, 0), (3, 3), (6, 1), (13, 2))
 
 
+@functools.cache  # built once per device: a host-to-device copy is not allowed inside a CUDA graph capture
 def _bit_positions(device) -> torch.Tensor:
     """(4 slots, 2 lanes, 4 code bits) -> word bit position; code bits 0..2 magnitude, 3 sign."""
     pos = [[[(6 + 16 * j + i + ROT[o][0]) % 32 for i in range(3)] + [(15 + 16 * j + ROT[o][1]) % 32]
@@ -120,10 +122,14 @@ def unpack_codes(w: NVFP4Weight) -> torch.Tensor:
     return codes.reshape(Np, KT * 128)
 
 
+@functools.cache
+def _e2m1_lut(device) -> torch.Tensor:
+    return torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=device)
+
+
 def dequantize_ref(w: NVFP4Weight, dtype=torch.float32) -> torch.Tensor:
     """W_hat (n, k) = q * (s / global_scale), from the kernel layout."""
-    lut = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=w.words.device)
-    q = lut[unpack_codes(w)[: w.n, : w.k]]
+    q = _e2m1_lut(w.words.device)[unpack_codes(w)[: w.n, : w.k]]
     s = w.scales.view(torch.uint8).permute(1, 0, 2).reshape(w.words.shape[1], -1)  # (Np, Kp/16) fp8 bytes
     s = s.view(torch.float8_e4m3fn)[: w.n, : w.k // 16].float()
     return (q * (s / w.global_scale).repeat_interleave(16, dim=1)).to(dtype)

@@ -118,7 +118,8 @@ class Engine:
         b = self._bucket(n)  # pad the rows up to the bucket; the extra rows write unused cache rows
         tok, pos, valid = self._pad(tok, b), self._pad(pos, b), self._pad(valid, b)
         if b not in self.graphs:
-            buf = self._buffers(b)
+            buf = self._buffers(b)  # its slot 0: the warm-up steps write keys/values there, so keep the real ones
+            saved = self.cache.k[:, :b, :, :1].clone(), self.cache.v[:, :b, :, :1].clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) before capture
@@ -129,6 +130,8 @@ class Engine:
             with torch.cuda.graph(g):
                 out = self._step(buf, b)
             self.graphs[b] = (g, buf, out)
+            self.cache.k[:, :b, :, :1].copy_(saved[0])
+            self.cache.v[:, :b, :, :1].copy_(saved[1])
         g, buf, out = self.graphs[b]
         buf["tok"].copy_(tok)
         buf["pos"].copy_(pos)
