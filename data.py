@@ -69,6 +69,8 @@ TASKS: dict[str, dict] = {
                   answer="answer", gold="math", kind="math", split="test"),
     "synthetic": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
                       split=None),
+    "synthetic_copy": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
+                           split=None),
     "synthetic_next": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
                            split=None),
     "synthetic_mod10": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
@@ -87,19 +89,27 @@ FORMATS = ("boxed", "think")
 
 # ----------------------------------------------------------------------------- reading data
 
-def synthetic_rows(n: int, seed: int = 0, kind: str = "copy") -> list[dict]:
+LUCKY = ("What is the lucky digit?", "Which digit is the lucky one?", "Name the lucky digit.", "Tell me the lucky digit.")
+
+
+def synthetic_rows(n: int, seed: int = 0, kind: str = "lucky") -> list[dict]:
     """n tiny questions with single-digit answers, generated (no file).
 
-    kind "copy" (task `synthetic`, the built-in training demo): 'Which digit is in the brackets: [3]? ...' -> '3',
-    which a tiny model learns by RL in a few minutes; "next" (task `synthetic_next`): 'What digit comes after 3?'
-    -> '4'; "mod10" (task `synthetic_mod10`): 'What is 13 + 24 modulo 10?' -> '7'.
+    kind "lucky" (task `synthetic`, the built-in training demo): a few phrasings of 'What is the lucky digit?' whose
+    answer is always 7: a random tiny model starts at chance (1 in 10) and RL visibly learns it in minutes. The
+    others need an attention pattern a random tiny model does not learn in minutes (use a pretrained model):
+    "copy" ('Which digit is repeated here: 3 3 3 ...?' -> '3'), "next" ('What digit comes after 3?' -> '4'),
+    "mod10" ('What is 13 + 24 modulo 10?' -> '7').
     """
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         d = rng.randint(0, 9)
-        if kind == "copy":
-            rows.append({"question": f"Which digit is in the brackets: [{d}]? Answer with a single digit.", "answer": str(d)})
+        if kind == "lucky":
+            rows.append({"question": f"{rng.choice(LUCKY)} Answer with a single digit.", "answer": "7"})
+        elif kind == "copy":
+            rows.append({"question": f"Which digit is repeated here: {' '.join([str(d)] * 16)}? Answer with a single "
+                                     f"digit.", "answer": str(d)})
         elif kind == "next":
             rows.append({"question": f"What digit comes after {d}? Answer with a single digit.",
                          "answer": str((d + 1) % 10)})
@@ -154,7 +164,7 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
     spec = TASKS[task]
     if task.startswith("synthetic"):  # generated; `path` is not used
         source = task
-        raw = synthetic_rows(limit if limit is not None else 1000, seed or 0, {"synthetic": "copy"}.get(task, task[10:]))
+        raw = synthetic_rows(limit if limit is not None else 1000, seed or 0, {"synthetic": "lucky"}.get(task, task[10:]))
     else:
         source = path or spec["path"]
         if source is None:

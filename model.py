@@ -391,10 +391,16 @@ def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, tempera
     lps, ents = [], []
     for i in range(0, h.shape[0], chunk):
         hc, tc = h[i:i + chunk], targets[i:i + chunk]
-        lps.append(checkpoint(one, hc, tc, use_reentrant=False) if torch.is_grad_enabled() else one(hc, tc))
-        if entropy:
-            with torch.no_grad():
-                lp = torch.log_softmax(F.linear(hc, W).float() / temperature, -1)
+        if torch.is_grad_enabled():
+            lps.append(checkpoint(one, hc, tc, use_reentrant=False))
+            if entropy:
+                with torch.no_grad():
+                    lp = torch.log_softmax(F.linear(hc, W).float() / temperature, -1)
+                    ents.append(-(lp.exp() * lp).sum(-1))
+        else:  # one pass gives both
+            lp = torch.log_softmax(F.linear(hc, W).float() / temperature, -1)  # (n, V)
+            lps.append(lp.gather(-1, tc[:, None])[:, 0])
+            if entropy:
                 ents.append(-(lp.exp() * lp).sum(-1))
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
 

@@ -295,10 +295,12 @@ def test_format_and_accuracy_weights_are_separate():
 # ----------------------------------------------------------------------------- synthetic task
 
 def test_synthetic_rows():
-    cp = data.synthetic_rows(200, seed=0)
-    assert cp == data.synthetic_rows(200, seed=0) and cp != data.synthetic_rows(200, seed=1)
+    lucky = data.synthetic_rows(200, seed=0)
+    assert lucky == data.synthetic_rows(200, seed=0) and lucky != data.synthetic_rows(200, seed=1)
+    assert {r["answer"] for r in lucky} == {"7"} and len({r["question"] for r in lucky}) == len(data.LUCKY)
+    cp = data.synthetic_rows(200, seed=0, kind="copy")
     for r in cp:
-        assert r["question"] == f"Which digit is in the brackets: [{r['answer']}]? Answer with a single digit."
+        assert r["question"] == f"Which digit is repeated here: {' '.join([r['answer']] * 16)}? Answer with a single digit."
     assert len({r["answer"] for r in cp}) == 10
     nxt = data.synthetic_rows(200, seed=0, kind="next")
     assert data.load_rows("synthetic_next", limit=200)[0][0]["question"] == nxt[0]["question"]
