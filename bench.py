@@ -8,6 +8,7 @@ enough copies that every call reads them from HBM, not L2 (50 MB). Speedups are 
 same run. Needs a CUDA GPU.
 """
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -322,54 +323,58 @@ def bench_hf_generate(size, batches, new_tokens, prompt):
 
 def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8, prompt_len: int = 256, new_tokens: int = 512):
     """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2 minibatch updates."""
+    rows = []
+    for base in ("nvfp4", "bf16"):
+        try:
+            row = _rl_step_one(size, base, prompts, group, prompt_len, new_tokens)
+        except torch.cuda.OutOfMemoryError:   # e.g. a bf16 32B base (65 GB) with its KV cache and activations
+            row = dict(size=size, base=base, oom=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+    out.setdefault("rl_step", []).extend(rows)
+
+
+def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens) -> dict:
     import grpo
     import lora
     import rollout
     import train
 
-    rows = []
-    for base in ("nvfp4", "bf16"):
-        m = random_model(size, base == "nvfp4")
-        params = lora.add_lora(m, 32, 64)
-        m.grad_checkpoint = True
-        opt_ = torch.optim.AdamW(params, lr=1e-5)
-        eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
-        P = torch.randint(0, 150000, (prompts, prompt_len)).tolist()
-        try:
-            for it in range(2):  # the first step includes compilation and graph capture; report the second
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                t0 = time.time()
-                samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=it)
-                torch.cuda.synchronize()
-                t1 = time.time()
-                groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(prompts)]
-                adv = grpo.group_advantages(torch.rand(prompts, group))
-                b = train.make_batch(groups, adv, torch.device("cuda"))
-                S = b["ids"].shape[0]
-                with torch.no_grad():
-                    old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
-                m.train()
-                for mb in torch.arange(S, device="cuda").chunk(2):
-                    for c in mb.split(8):
-                        lp, _ = train.policy_logprobs(m, b, c, 1.0)
-                        loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
-                                                   num_tokens=b["mask"][mb].sum().item())
-                        loss.backward()
-                    opt_.step()
-                    opt_.zero_grad(set_to_none=True)
-                m.eval()
-                torch.cuda.synchronize()
-                t2 = time.time()
-            row = dict(size=size, base=base, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
-                       peak_GB=torch.cuda.max_memory_allocated() / 1e9)
-        except torch.cuda.OutOfMemoryError:
-            row = dict(size=size, base=base, oom=True)
-        rows.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
-        del m, eng, opt_
-        torch.cuda.empty_cache()
-    out.setdefault("rl_step", []).extend(rows)
+    m = random_model(size, base == "nvfp4")
+    params = lora.add_lora(m, 32, 64)
+    m.grad_checkpoint = True
+    opt_ = torch.optim.AdamW(params, lr=1e-5)
+    eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
+    P = torch.randint(0, 150000, (prompts, prompt_len)).tolist()
+    for it in range(2):  # the first step includes compilation and graph capture; report the second
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=it)
+        torch.cuda.synchronize()
+        t1 = time.time()
+        groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(prompts)]
+        adv = grpo.group_advantages(torch.rand(prompts, group))
+        b = train.make_batch(groups, adv, torch.device("cuda"))
+        S = b["ids"].shape[0]
+        with torch.no_grad():
+            old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
+        m.train()
+        for mb in torch.arange(S, device="cuda").chunk(2):
+            for c in mb.split(8):
+                lp, _ = train.policy_logprobs(m, b, c, 1.0)
+                loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
+                                           num_tokens=b["mask"][mb].sum().item())
+                loss.backward()
+            opt_.step()
+            opt_.zero_grad(set_to_none=True)
+        m.eval()
+        torch.cuda.synchronize()
+        t2 = time.time()
+    return dict(size=size, base=base, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
+                peak_GB=torch.cuda.max_memory_allocated() / 1e9)
 
 
 def run_one(shape: str, M: int, config: str | None, iters: int):

@@ -23,7 +23,7 @@ if [ "${1:-}" = "--vllm" ]; then
   fi
   echo "== installing nanoqerl's pinned dependencies (pyproject.toml)"
   $V -m pip install -q $($V -c "import versions as v; r = v._requirements(); print(' '.join(f'{n}{r[n]}' for n in (
-      'transformers', 'safetensors', 'tokenizers', 'numpy', 'tqdm', 'pytest', 'compressed-tensors', 'peft')))")
+      'transformers', 'safetensors', 'tokenizers', 'numpy', 'tqdm', 'pytest', 'compressed-tensors', 'peft', 'matplotlib')))")
   $V -c "import versions; versions.check('torch', 'transformers', 'compressed-tensors', 'peft', 'vllm'); print('== vLLM environment OK')"
   exit 0
 fi

@@ -400,3 +400,25 @@ def test_other_architectures_match_ours(engines, arch):
         kinds = e.llm.apply_model(lambda mod: {type(mod.model.layers[0].mlp.down_proj.base_layer.quant_method).__name__,
                                                type(mod.model.layers[0].mlp.gate_up_proj.base_layer.quant_method).__name__})
         assert kinds[0] == {"UnquantizedLinearMethod", "NVFP4LinearMethod"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py with --engine vllm (last: it needs the process's one vLLM engine)
+
+def test_train_with_vllm_syncs_lora_every_step(tmp_path):
+    import json
+
+    import train
+    for e in list(RV._LIVE):
+        e.close()
+    out = tmp_path / "run"
+    rc = train.main(["--engine", "vllm", "--steps", "3", "--prompts-per-step", "2", "--group-size", "4",
+                     "--eval-limit", "4", "--aqn", "--sigma-start", "1e-2", "--aqn-stages", "2", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r or "skipped" in r]
+    assert len(steps) == 3 and all(r["lora_sync_gap"] < TOL for r in steps)   # the pushed adapter is the trained one
+    assert steps[-1]["sigma"] > 0                      # AQN reached vLLM's norms on the last step
+    clean = [r for r in steps if r["sigma"] == 0 and "loss" in r]   # without noise the engine samples the trainer's policy
+    assert clean and all(r["mismatch_abs"] < 1e-3 for r in clean)
+    assert not any(e.llm is not None for e in RV._LIVE)                        # train.py closed its engine
