@@ -108,6 +108,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = None
     try:
         rows, stats = data.load_rows(args.task, args.data, args.limit)
         tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
@@ -128,6 +129,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if hasattr(engine, "close"):  # vLLM keeps process-wide state: free it
+            engine.close()
     print(f"{args.task}: pass@1 {s['pass@1']:.4f} (95% CI {s['pass@1_ci95'][0]:.4f}-{s['pass@1_ci95'][1]:.4f}) over "
           f"{s['prompts']} prompts x {args.n}; parse failures {s['parse_fail_rate']:.3f}; mean length "
           f"{s['mean_length']:.1f}; rows skipped {stats.get('skipped_no_answer', 0) + stats.get('skipped_bad_gold', 0)}")

@@ -422,3 +422,26 @@ def test_train_with_vllm_syncs_lora_every_step(tmp_path):
     clean = [r for r in steps if r["sigma"] == 0 and "loss" in r]   # without noise the engine samples the trainer's policy
     assert clean and all(r["mismatch_abs"] < 1e-3 for r in clean)
     assert not any(e.llm is not None for e in RV._LIVE)                        # train.py closed its engine
+
+
+def test_eval_with_vllm_end_to_end(make_checkpoint, tmp_path):
+    """eval.py --engine vllm on a tiny NVFP4 model with an adapter, a few GSM8K test rows: JSONL and summary."""
+    import json
+
+    import eval as E
+    for e in list(RV._LIVE):
+        e.close()
+    Q.quantize_checkpoint(str(make_checkpoint("qwen2")), str(tmp_path / "q"), progress=False)
+    m = M.Model.from_pretrained(tmp_path / "q", "cpu", torch.float32)
+    lora.add_lora(m, rank=4, alpha=8)
+    randomize_b(m, 0.05, seed=7)
+    lora.save_adapter(m, tmp_path / "ad")
+    out = tmp_path / "ev"
+    assert E.main(["--model", str(tmp_path / "q"), "--adapter", str(tmp_path / "ad"), "--engine", "vllm", "--task",
+                   "gsm8k", "--limit", "3", "--n", "2", "--temperature", "1.0", "--max-new-tokens", "6",
+                   "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and lines[0]["gold"] == "18" and all(0 < x["length"] <= 6 for x in lines)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["prompts"] == 3 and s["samples_per_prompt"] == 2 and 0 <= s["pass@1"] <= 1 and "pass@2" in s
+    assert not any(e.llm is not None for e in RV._LIVE)   # eval.py closed its engine
