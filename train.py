@@ -323,8 +323,10 @@ def plot(run: Path):
     keys = [k for k in ("reward", "accuracy", "eval_accuracy", "entropy", "resp_len", "mismatch_abs", "sigma", "kl_ref")
             if any(k in r for r in rows)]
     fig, axes = plt.subplots(2, (len(keys) + 1) // 2, figsize=(4 * ((len(keys) + 1) // 2), 6), squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.axis("off")
     for ax, k in zip(axes.flat, keys):
-        ax.plot([r["step"] for r in rows if k in r], [r[k] for r in rows if k in r])
+        ax.plot([r["step"] for r in rows if k in r], [r[k] for r in rows if k in r], marker="o" if k.startswith("eval") else None)
         ax.set_title(k)
         ax.set_xlabel("step")
     fig.tight_layout()
