@@ -391,11 +391,37 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
     print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}")
 
 
+def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32):
+    """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B)."""
+    import rollout
+    from torch.profiler import ProfilerActivity, profile
+
+    m = random_model(size, True)
+    eng = rollout.Engine(m, max_batch=B, max_len=prompt + 512, cuda_graphs=False)
+    P = torch.randint(0, 150000, (B, prompt)).tolist()
+    eng.generate(P, max_new_tokens=4, stop_token_ids=[])                          # compile
+    eng.generate(P, max_new_tokens=1, stop_token_ids=[])                          # the prefill alone, to subtract
+    with profile(activities=[ProfilerActivity.CUDA]) as p0:
+        eng.generate(P, max_new_tokens=1, stop_token_ids=[])
+    with profile(activities=[ProfilerActivity.CUDA]) as p1:
+        eng.generate(P, max_new_tokens=steps + 1, stop_token_ids=[])
+    t = {}
+    for sign, prof in ((-1, p0), (1, p1)):
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+                t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
+    total = sum(v for v in t.values() if v > 0)
+    print(f"{size} NVFP4 batch {B}: {total / steps / 1e3:.3f} ms of kernels per decode step (eager, {steps} steps)")
+    for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"{v / steps:9.1f} us/step {100 * v / total:5.1f}%  {k[:110]}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="nanoqerl GPU benchmarks (print measured numbers; need a CUDA GPU).")
-    ap.add_argument("what", choices=["kernels", "model", "rollout", "train", "one"],
+    ap.add_argument("what", choices=["kernels", "model", "rollout", "train", "one", "profile"],
                     help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
-                         "train: one RL step; one: a single GEMM (for profilers)")
+                         "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
+                         "decode step (--size, first of --batches)")
     ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
@@ -412,6 +438,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("error: bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.what == "profile":
+        return profile_decode(args.size, int(args.batches.split(",")[0])) or 0
     if args.what == "one":
         return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
