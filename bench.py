@@ -275,7 +275,7 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
             try:
                 eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 prompts = torch.randint(0, 150000, (B, prompt)).tolist()
-                eng.generate(prompts, max_new_tokens=4, stop_token_ids=[])           # compile + capture the graph
+                eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])  # compile + capture the graphs
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 t0 = time.time()

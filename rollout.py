@@ -12,8 +12,8 @@ trainer computes). With temperature 0 (greedy) they are log softmax(logits).
 
 The built-in engine runs the SAME modules the trainer trains: one copy of the NVFP4 base, LoRA read in place (no
 sync after an optimizer step) and AQN noise through `model.noise`. Prompts are left-padded into one prefill; decode
-steps write a preallocated KV cache (max_batch x max_len). On CUDA each decode step is a CUDA graph per batch
-bucket (1, 2, 4, ...); when finished sequences leave half of a bucket idle, the live ones are compacted into the
+steps write a preallocated KV cache (max_batch x max_len) and attend over its used part, rounded up to KV_BLOCK
+slots. On CUDA each decode step is a CUDA graph per (batch bucket 1, 2, 4, ..., KV bucket); when finished sequences leave half of a bucket idle, the live ones are compacted into the
 next smaller bucket, so finished rows stop costing work (measured in bench.py rollout).
 
 Leaves out: continuous batching across generate calls, paged attention, speculative decoding, beam search.
@@ -82,6 +82,9 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
+KV_BLOCK = 128  # decode attention reads the cache in multiples of this many slots (one CUDA graph per multiple)
+
+
 class Engine:
     """The built-in engine. max_batch sequences of at most max_len tokens (prompt + completion) at a time."""
 
@@ -92,8 +95,9 @@ class Engine:
         cfg = model.cfg
         self.cache = M.KVCache(cfg, max_batch, max_len, self.device, self.dtype)
         self.noise = torch.zeros(cfg.num_layers, 2, cfg.hidden_size, device=self.device)  # static AQN buffer
-        self.graphs = {}   # batch bucket -> (graph, static buffers); rebuilt when the LoRA layout changes
-        self.lora_key = None
+        self.graphs = {}   # (batch bucket, KV bucket) -> (graph, static buffers); rebuilt when the LoRA layout changes
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.lora_key, self.snap = None, {}
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
 
     # -- one decode step on rows [0, b) of the cache, eager or replayed from a graph --------------------------------
@@ -103,36 +107,39 @@ class Engine:
                     valid=torch.zeros(b, self.max_len, dtype=torch.bool, device=self.device),
                     slot=torch.zeros(1, dtype=torch.long, device=self.device))
 
-    def _step(self, buf, b):
+    def _step(self, buf, b, kv):
+        """One token per row; attention reads the first kv slots of the cache (all slots in use lie below kv)."""
         cache = M.KVCache.__new__(M.KVCache)
         cache.k, cache.v, cache.max_len = self.cache.k[:, :b], self.cache.v[:, :b], self.max_len
-        mask = buf["valid"][:, None, None, :]                                   # (b, 1, 1, S)
-        h = self.model(buf["tok"], buf["pos"], mask, cache, buf["slot"], self.max_len)
+        mask = buf["valid"][:, None, None, :kv]                                 # (b, 1, 1, kv)
+        h = self.model(buf["tok"], buf["pos"], mask, cache, buf["slot"], kv)
         return self.model.logits(h[:, 0]).float()                               # (b, V)
 
-    def _decode(self, b, tok, pos, valid, slot):
-        """Logits (b, V) for one new token per row; on CUDA through the graph of the bucket that holds b rows."""
+    def _decode(self, b, tok, pos, valid, slot, used):
+        """Logits (b, V) for one new token per row, `used` slots filled after it; on CUDA through the graph of the
+        (batch bucket, KV bucket) pair: rows padded up to a power of two, slots read rounded up to KV_BLOCK."""
+        kv = min(self.max_len, -(-used // KV_BLOCK) * KV_BLOCK)
         if not self.use_graphs:
-            return self._step(dict(tok=tok, pos=pos, valid=valid, slot=slot), b)
+            return self._step(dict(tok=tok, pos=pos, valid=valid, slot=slot), b, kv)
         n = b
         b = self._bucket(n)  # pad the rows up to the bucket; the extra rows write unused cache rows
         tok, pos, valid = self._pad(tok, b), self._pad(pos, b), self._pad(valid, b)
-        if b not in self.graphs:
+        if (b, kv) not in self.graphs:
             buf = self._buffers(b)  # its slot 0: the warm-up steps write keys/values there, so keep the real ones
             saved = self.cache.k[:, :b, :, :1].clone(), self.cache.v[:, :b, :, :1].clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm up (compiles kernels, sizes workspaces) before capture
                 for _ in range(2):
-                    self._step(buf, b)
+                    self._step(buf, b, kv)
             torch.cuda.current_stream().wait_stream(stream)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = self._step(buf, b)
-            self.graphs[b] = (g, buf, out)
+            with torch.cuda.graph(g, pool=self.pool):  # one memory pool shared by all of this engine's graphs
+                out = self._step(buf, b, kv)
+            self.graphs[(b, kv)] = (g, buf, out)
             self.cache.k[:, :b, :, :1].copy_(saved[0])
             self.cache.v[:, :b, :, :1].copy_(saved[1])
-        g, buf, out = self.graphs[b]
+        g, buf, out = self.graphs[(b, kv)]
         buf["tok"].copy_(tok)
         buf["pos"].copy_(pos)
         buf["valid"].copy_(valid)
@@ -141,8 +148,11 @@ class Engine:
         return out[:n]
 
     def _check_graph_inputs(self):
-        """Captured graphs bake in which linears have LoRA and whether it is on: recapture when that changes."""
-        key = tuple((n, lin.lora_A is not None and lin.lora_on) for n, lin in self.model.linears())
+        """Captured graphs bake in which adapters are on and where their snapshot lives: recapture when that changes.
+        The snapshot's values are refreshed in place from the trainer's LoRA weights at every generate."""
+        self.snap = M.lora_snapshot(self.model, self.snap)
+        key = (tuple((n, lin.lora_A is not None and lin.lora_on) for n, lin in self.model.linears()),
+               tuple((id(mod), a.data_ptr(), b.data_ptr()) for mod, (a, b) in self.snap.items()))
         if key != self.lora_key:
             self.graphs, self.lora_key = {}, key
 
@@ -163,12 +173,16 @@ class Engine:
             self.noise.zero_()
         self.model.noise = self.noise
         self._check_graph_inputs()
+        for mod, s in self.snap.items():
+            mod.snap = s
         try:
             out = []
             for s in range(0, len(seqs), self.max_batch):
                 out += self._generate_batch(seqs[s:s + self.max_batch], max_new_tokens, temperature, top_p, top_k,
                                             stops, gen)
         finally:
+            for mod in self.snap:
+                mod.snap = None
             self.model.noise = user_noise
             self.model.train(was_training)
         return out
@@ -213,7 +227,7 @@ class Engine:
                 b = len(live)
             valid[:b, P + t] = True                                             # the token sampled now sits at slot P+t
             logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
-                                  torch.tensor([P + t], device=dev))
+                                  torch.tensor([P + t], device=dev), P + t + 1)
         return [Sample(seqs[r][0], toks[r], lps[r], reason[r]) for r in range(B)]
 
     def _bucket(self, b: int) -> int:

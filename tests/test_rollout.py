@@ -123,6 +123,13 @@ def test_aqn_noise_and_lora_are_read_in_place(models):
             p.normal_(0, 0.5)  # an "optimizer step": the engine sees it without any sync
     adapted = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
     assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in adapted)
+    with torch.no_grad():
+        for p in params[1::2]:
+            p.normal_(0, 0.5)  # another step: the snapshot is refreshed in place (captured graphs keep it)
+    again = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
+    assert [s.tokens for s in again] != [s.tokens for s in adapted]
+    assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in again)
+    assert all(lin.snap is None for _, lin in m.linears())  # outside generate the trainer's path is untouched
     with lora.disabled(m):
         base = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
         assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in base)
@@ -150,3 +157,20 @@ def test_bad_input(models):
             R.make_engine("vllm", model_dir="x")
     with pytest.raises(ValueError, match="unknown engine"):
         R.make_engine("tgi")
+
+
+def test_attention_over_growing_kv_buckets(models, monkeypatch):
+    """Decode reads only the used cache slots, rounded up to KV_BLOCK: with 8-slot blocks a 12-token generation
+    crosses several blocks (and on CUDA several graphs); tokens and log-probs must not notice."""
+    monkeypatch.setattr(R, "KV_BLOCK", 8)
+    m = models["nvfp4"]
+    eng = R.Engine(m, max_batch=4, max_len=64)
+    for s in eng.generate(PROMPTS, max_new_tokens=12, temperature=0.0, stop_token_ids=[]):
+        assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, 1e-3)
+        if DEV == "cpu":
+            assert s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 12)
+    for s in eng.generate(PROMPTS, n=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[], seed=2):
+        ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0)
+        assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4)
+    if DEV == "cuda":
+        assert len({kv for _, kv in eng.graphs}) >= 3
