@@ -261,12 +261,12 @@ class Layer(nn.Module):
         k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = kernels.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), kernels.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)     # (B, heads, T, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:                                                  # write T slots, read the first kv_len
-            cache.k[self.idx].index_copy_(2, slots, k)
-            cache.v[self.idx].index_copy_(2, slots, v)
-            k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]
+        if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel; read kv_len slots
+            q = kernels.rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
+            k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = kernels.rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)

@@ -180,6 +180,43 @@ def test_rms_norm_backward(device, with_noise, with_res):
 # ----------------------------------------------------------------------------------------------------------------
 # Clear errors
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,separate", [(1, False), (5, False), (3, True)])
+def test_rope_cache_matches_reference(device, dtype, T, separate):
+    """q/k/v as views of one fused projection output (or separate tensors, as after Qwen3's q/k norms), cos/sin of
+    real positions, arbitrary cache slots. fp32: exact up to a fused multiply-add on the GPU; bf16: the kernel rounds
+    each product like torch's ops, so exact on the GPU, one ulp under the interpreter (it truncates to bf16)."""
+    g = torch.Generator().manual_seed(T)
+    B, HQ, HK, D, S = 3, 4, 2, 16, 12
+    y = torch.randn(B, T, (HQ + 2 * HK) * D + 8, generator=g).to(device, dtype)   # a padded fused output
+    q, k, v = (y[..., :HQ * D].view(B, T, HQ, D), y[..., HQ * D:(HQ + HK) * D].view(B, T, HK, D),
+               y[..., (HQ + HK) * D:(HQ + 2 * HK) * D].view(B, T, HK, D))
+    if separate:
+        q, k = q.contiguous() * 1.5, k.contiguous() * 0.5
+    pos = torch.randint(0, 1000, (B, T), generator=g).float()
+    emb = pos[..., None] * (1e4 ** -(torch.arange(0, D, 2) / D))
+    cos, sin = (torch.cat((emb, emb), -1).cos().to(device, dtype), torch.cat((emb, emb), -1).sin().to(device, dtype))
+    slots = torch.randperm(S, generator=g)[:T].to(device)
+    cache0 = torch.randn(2, B, HK, S, D, generator=g).to(device, dtype)
+    caches = [cache0.clone(), cache0.clone()]
+    ref_q = K.rope_cache_ref(q, k, v, cos, sin, caches[0][0], caches[0][1], slots)
+    out_q = K.rope_cache(q, k, v, cos, sin, caches[1][0], caches[1][1], slots)
+    # fp32: exact in the interpreter, a fused multiply-add on the GPU (1e-6). bf16: the products and the sum are each
+    # rounded (truncated in the interpreter), so at most one bf16 ulp of |x| apart per rounding: 3 * 2^-7 * max |x|
+    # (|cos|, |sin| <= 1)
+    big = max(t.abs().max().item() for t in (q, k))
+    tol = dict(rtol=0, atol=3 * 2.0 ** -7 * big if dtype == torch.bfloat16 else 1e-6 if device == "cuda" else 0.0)
+    for a, b in ((out_q, ref_q), (caches[1], caches[0])):
+        print(f"rope {device} {dtype} T={T}: max |kernel - reference| {(a.float() - b.float()).abs().max().item():.3g}")
+        torch.testing.assert_close(a, b, **tol)
+    assert out_q.shape == (B, HQ, T, D) and not torch.equal(caches[1][0][:, :, slots], k.transpose(1, 2))  # rotated
+    assert torch.equal(caches[1][1][:, :, slots], v.transpose(1, 2))           # v as it is
+    others = torch.ones(S, dtype=torch.bool)
+    others[slots.cpu()] = False
+    assert torch.equal(caches[1][:, :, :, others.to(device)], cache0[:, :, :, others.to(device)])  # nothing else
+
+
 def test_errors():
     w, (packed, scale, gs) = make_weight(32, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
