@@ -186,6 +186,38 @@ def export_merged(model, src_dir, out_dir) -> Path:
     return out
 
 
+@torch.no_grad()
+def snapshot(model, old: dict | None = None) -> dict:
+    """For generation only: per fused group (and per unfused linear) whose members all have an active adapter, one
+    A (sum of ranks, in) and one block-diagonal B (rows, sum of ranks) with the LoRA scale folded in, in the model's
+    dtype: the adapter then costs two GEMMs per group instead of two casts, two GEMMs, a scale and an add per member.
+    Returns {module: (A, B)}; refreshed in place when `old` has the same shapes (CUDA graphs keep their pointers)."""
+    snap = {}
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
+                              (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
+            lins = [getattr(parent, n) for n in names]
+            mod = lins[0] if len(lins) == 1 else getattr(parent, "fused", None)
+            if mod is None or not all(lin.lora_A is not None and lin.lora_on for lin in lins):
+                continue
+            pads = mod.pads if len(lins) > 1 else [lins[0].out_features]
+            dt = model.model.embed_tokens.weight.dtype
+            A = torch.cat([lin.lora_A for lin in lins]).to(dt)                  # (R, in)
+            B = torch.zeros(sum(pads), A.shape[0], dtype=dt, device=A.device)   # (rows, R)
+            off = roff = 0
+            for lin, p in zip(lins, pads):
+                r = lin.lora_A.shape[0]
+                B[off:off + lin.out_features, roff:roff + r] = lin.lora_B * lin.lora_scale
+                off, roff = off + p, roff + r
+            prev = (old or {}).get(mod)
+            if prev is not None and prev[0].shape == A.shape and prev[1].shape == B.shape:
+                prev[0].copy_(A)
+                prev[1].copy_(B)
+                A, B = prev
+            snap[mod] = (A, B)
+    return snap
+
+
 def main(argv=None):
     import model as M
 
@@ -209,3 +241,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+

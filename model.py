@@ -114,7 +114,7 @@ class Linear(nn.Module):
         self.has_bias = bias
         self.lora_A = self.lora_B = None
         self.lora_scale, self.lora_dropout, self.lora_on = 0.0, 0.0, True
-        self.snap = None  # the engine's generation snapshot of the adapter (see lora_snapshot), set only while generating
+        self.snap = None  # the engine's generation snapshot of the adapter (lora.snapshot), set only while generating
 
     def qweight(self) -> kernels.NVFP4Weight:
         return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
@@ -179,43 +179,12 @@ class Fused(nn.Module):
 
 
 def add_lora_snapshot(mod, x, y):
-    """y + x @ A^T @ B^T with the generation snapshot of mod's adapter(s) (see lora_snapshot); y if there is none."""
+    """y + x @ A^T @ B^T with the generation snapshot of mod's adapter(s) (lora.snapshot); y if there is none."""
     if getattr(mod, "snap", None) is None:
         return y
     A, B = mod.snap                                                           # (R, in), (out, R), scale folded in
     return torch.addmm(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]) @ A.t(), B.t()).view(y.shape)
 
-
-@torch.no_grad()
-def lora_snapshot(model, old: dict | None = None) -> dict:
-    """For generation only: per fused group (and per unfused linear) whose members all have an active adapter, one
-    A (sum of ranks, in) and one block-diagonal B (rows, sum of ranks) with the LoRA scale folded in, in the model's
-    dtype: the adapter then costs two GEMMs per group instead of two casts, two GEMMs, a scale and an add per member.
-    Returns {module: (A, B)}; refreshed in place when `old` has the same shapes (CUDA graphs keep their pointers)."""
-    snap = {}
-    for layer in model.model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.self_attn, ("o_proj",)),
-                              (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
-            lins = [getattr(parent, n) for n in names]
-            mod = lins[0] if len(lins) == 1 else getattr(parent, "fused", None)
-            if mod is None or not all(lin.lora_A is not None and lin.lora_on for lin in lins):
-                continue
-            pads = mod.pads if len(lins) > 1 else [lins[0].out_features]
-            dt = model.model.embed_tokens.weight.dtype
-            A = torch.cat([lin.lora_A for lin in lins]).to(dt)                  # (R, in)
-            B = torch.zeros(sum(pads), A.shape[0], dtype=dt, device=A.device)   # (rows, R)
-            off = roff = 0
-            for lin, p in zip(lins, pads):
-                r = lin.lora_A.shape[0]
-                B[off:off + lin.out_features, roff:roff + r] = lin.lora_B * lin.lora_scale
-                off, roff = off + p, roff + r
-            prev = (old or {}).get(mod)
-            if prev is not None and prev[0].shape == A.shape and prev[1].shape == B.shape:
-                prev[0].copy_(A)
-                prev[1].copy_(B)
-                A, B = prev
-            snap[mod] = (A, B)
-    return snap
 
 
 def fuse(mod, names) -> None:

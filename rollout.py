@@ -28,6 +28,7 @@ import versions
 versions.check()
 import torch  # noqa: E402
 
+import lora  # noqa: E402
 import model as M  # noqa: E402
 
 
@@ -150,7 +151,7 @@ class Engine:
     def _check_graph_inputs(self):
         """Captured graphs bake in which adapters are on and where their snapshot lives: recapture when that changes.
         The snapshot's values are refreshed in place from the trainer's LoRA weights at every generate."""
-        self.snap = M.lora_snapshot(self.model, self.snap)
+        self.snap = lora.snapshot(self.model, self.snap)
         key = (tuple((n, lin.lora_A is not None and lin.lora_on) for n, lin in self.model.linears()),
                tuple((id(mod), a.data_ptr(), b.data_ptr()) for mod, (a, b) in self.snap.items()))
         if key != self.lora_key:
