@@ -194,6 +194,35 @@ if triton is not None:
         return (q * s_r[:, None]).to(tl.bfloat16)
 
     @triton.jit
+    def _dequant_regs(words, sw0, sw1, BN: tl.constexpr, USE_ASM: tl.constexpr):
+        # (BN, 16) words + the two scale words per row -> (BN, 128) bf16 q * s (times 2^-119 with the PTX path)
+        if USE_ASM:
+            m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
+                _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+            sh: tl.constexpr = (BN, 16)
+            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+                _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
+                [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
+                 tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
+                 tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
+                 tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        else:
+            s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+            s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            r8 = tl.arange(0, 8)[None, :]
+            w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
+            w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
+            w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
+            w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
+            w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
+            w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
+            w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
+            w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
+        j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        return tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128))  # k = 16 r + c: no data movement
+
+    @triton.jit
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -211,33 +240,7 @@ if triton is not None:
             words = tl.load(wp)                                                       # (BN, 16) int32
             sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
             xt = tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
-            if USE_ASM:
-                m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
-                    _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-                sh: tl.constexpr = (BN, 16)
-                w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                    _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
-                    [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
-                     tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
-                     tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
-                     tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
-                    dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-            else:
-                sc = tl.join(sw0, sw1)                                                # (BN, 2)
-                s8 = tl.reshape(sc.to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
-                s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                r8 = tl.arange(0, 8)[None, :]
-                w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
-                w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
-                w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
-                w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
-                w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
-                w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
-                w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
-                w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
-            # (BN, 16) x 8 blocks -> (BN, 128) with k = 16 r + c (same registers: no data movement)
-            j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
-            wt = tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128))
+            wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM)                              # (BN, 128) bf16
             if USE_ASM:
                 acc = tl.dot(wt, tl.trans(xt), acc)                                  # (BN, BM) fp32
             else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
@@ -279,31 +282,7 @@ if triton is not None:
     def _dequant_tile(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, n, t, BN: tl.constexpr, USE_ASM: tl.constexpr):
         words = tl.load(w_ptr + (t * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :])
         sw0, sw1 = tl.split(tl.load(s_ptr + (t * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]))
-        if USE_ASM:
-            m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
-                _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-            sh: tl.constexpr = (BN, 16)
-            w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
-                [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
-                 tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
-                 tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
-                 tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
-                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-        else:
-            s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
-            s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            r8 = tl.arange(0, 8)[None, :]
-            w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
-            w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
-            w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
-            w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
-            w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
-            w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
-            w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
-            w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
-        j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
-        wt = tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128)).to(tl.float32)
+        wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM).to(tl.float32)
         wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
         k = t * 128 + tl.arange(0, 128)
         tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
@@ -329,14 +308,18 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see README).
 
     BM covers the tokens (the tensor-core N side), BN the weight rows. Small M is bandwidth- and latency-bound:
-    split K until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); medium M
-    is compute-bound: 128-token tiles, at most ~1.2 programs per SM. A split keeps at least 2 K tiles.
+    split K until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64). Larger M
+    is compute-bound: 128 x 128 tiles (one 8-warp program per SM) split in K to fill one wave when there are few,
+    else 64-token tiles of 4 warps, several per SM (BN = 128 when there are plenty). A split keeps >= 2 K tiles.
     """
     KT = -(-K // 128)
     if M <= 64:
         BM, BN, warps, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, (7.0 if M <= 16 else 2.5)
+    elif -(-N // 128) * -(-M // 128) * 2 <= sms:   # a split of 2 still fits in one wave
+        BM, BN, warps, fill = 128, 128, 8, 1.0
     else:
-        BM, BN, warps, fill = 128, 128, 8, 1.2
+        BM, warps, fill = 64, 4, 2.0
+        BN = 128 if -(-N // 128) * -(-M // 64) >= 2 * sms else 64
     tiles = -(-N // BN) * -(-M // BM)
     split = 1
     while split < 16 and tiles * split * 2 <= fill * sms and KT // (split * 2) >= 2:
