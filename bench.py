@@ -74,6 +74,8 @@ def bench_gemm(Ms, sweep: bool, out: dict):
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
     out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
+    if sweep:
+        precompile([M for M in Ms if M < kernels.LARGE_M], jobs=12)
     for name, (N, K) in SHAPES_7B.items():
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         wb = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(N * K * 2) - 1)]
@@ -112,19 +114,51 @@ def bench_gemm(Ms, sweep: bool, out: dict):
 
 
 def sweep_configs(M, N, K):
-    BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [128, 256]
+    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth."""
+    BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
     out = []
     for BM in BMs:
-        for BN in (64, 128):
-            for split in (1, 2, 4, 8, 16):
-                if (K // 128) // split < 2:
+        for BN in (64, 128, 256):
+            for nw in (4, 8):
+                if BN * BM > 128 * 32 * nw or (nw == 8 and BN == 64):  # accumulators over 128 registers per thread
                     continue
-                if -(-N // BN) * -(-M // BM) * split > 10 * 132:
-                    continue
-                for stages, unroll in (((3, 1), (3, 2), (4, 2)) if BM <= 64 else ((2, 1), (3, 1))):
-                    nw = 4 if BN == 64 else 8
-                    out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages, UNROLL=unroll))
+                for split in (1, 2, 4, 8, 16):
+                    if (K // 128) // split < 2 or -(-N // BN) * -(-M // BM) * split > 10 * 132:
+                        continue
+                    for stages in ((2, 3, 4) if BM <= 64 else (2, 3)):
+                        out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages))
     return out
+
+
+def _compile_worker(rank: int, jobs: int, Ms):
+    """Compile (by running once) this worker's share of the sweep configs, so the timing process finds them cached."""
+    import kernels
+
+    keys = sorted({(M, json.dumps(c, sort_keys=True)) for N, K in SHAPES_7B.values() for M in Ms
+                   if M < kernels.LARGE_M for c in sweep_configs(M, N, K)})
+    mine = {k for i, k in enumerate(keys) if i % jobs == rank}
+    for N, K in SHAPES_7B.values():
+        KT, Np = -(-K // 128), -(-N // 128) * 128                        # the values do not matter for compiling
+        w = kernels.NVFP4Weight(torch.zeros(KT, Np, 16, dtype=torch.int32, device="cuda"),
+                                torch.zeros(KT, Np, 2, dtype=torch.int32, device="cuda"),
+                                torch.ones(1, device="cuda"), N, K)
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            for c in sweep_configs(M, N, K):
+                if (M, json.dumps(c, sort_keys=True)) in mine:
+                    try:
+                        kernels.nvfp4_mm(x, w, config=c)
+                    except Exception:  # out of shared memory or registers: the timing pass skips it too
+                        pass
+    torch.cuda.synchronize()
+
+
+def precompile(Ms, jobs: int):
+    import torch.multiprocessing as mp
+
+    t0 = time.time()
+    mp.start_processes(_compile_worker, args=(jobs, Ms), nprocs=jobs, start_method="spawn")
+    print(f"compiled the sweep configs in {time.time() - t0:.0f} s with {jobs} processes", file=sys.stderr)
 
 
 def bench_dgrad(out: dict):
