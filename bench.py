@@ -3,6 +3,9 @@
     python bench.py kernels                 # NVFP4 GEMM vs torch bf16 at the Qwen2.5-7B linear shapes, dgrad, RMSNorm
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
 
+At M <= 64 the GEMM table also times cuBLAS bf16 on a weight with as many bytes as the NVFP4 one (9/32 of the rows):
+the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound").
+
 Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays; weights are rotated over
 enough copies that every call reads them from HBM, not L2 (50 MB). Speedups are ours / torch bf16 measured in the
 same run. Needs a CUDA GPU.
@@ -67,7 +70,7 @@ def random_nvfp4(N, K, copies):
     return w, ws
 
 
-def bench_gemm(Ms, sweep: bool, out: dict):
+def bench_gemm(Ms, sweep: str | None, out: dict):
     import kernels
 
     bw = copy_bandwidth()
@@ -75,19 +78,24 @@ def bench_gemm(Ms, sweep: bool, out: dict):
     out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
     if sweep:
-        precompile([M for M in Ms if M < kernels.LARGE_M], jobs=12)
+        precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep)
     for name, (N, K) in SHAPES_7B.items():
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         wb = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(N * K * 2) - 1)]
         _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
+        rows_eq = N * K * 9 // 16 // (2 * K)                  # a bf16 weight holding as many bytes as the NVFP4 one
+        weq = [torch.randn(rows_eq, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(rows_eq * K * 2))]
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             t_bf16 = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
             t_ours = graph_time_us([lambda w=w: kernels.nvfp4_linear(x, w) for w in wq])
             gbs = N * K * 9 / 16 / t_ours / 1e3
             row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours, nvfp4_GBps=gbs)
+            if M <= 64:  # the bound a perfect W4 kernel meets: cuBLAS reading as many bytes (9/32 of the rows)
+                t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])
+                row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq)
             if sweep and M < kernels.LARGE_M:
-                cands = sweep_configs(M, N, K)
+                cands = sweep_configs(M, N, K, sweep)
                 res = []
                 for cfg in cands:
                     try:
@@ -106,36 +114,44 @@ def bench_gemm(Ms, sweep: bool, out: dict):
     out["gemm"] = rows
     if sweep:
         out["best_cfgs"] = best_cfgs
-    print(f"\n| M | " + " | ".join(SHAPES_7B) + " | geomean |\n|---|" + "---|" * (len(SHAPES_7B) + 1))
+    print(f"\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound |\n|---|" + "---|" * (len(SHAPES_7B) + 2))
+    gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     for M in Ms:
         sp = [r["speedup"] for r in rows if r["M"] == M]
-        print(f"| {M} | " + " | ".join(f"{s:.2f}x" for s in sp) + f" | {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x |")
+        bd = [r["bound_speedup"] for r in rows if r["M"] == M and "bound_speedup" in r]
+        bound = " | ".join(f"{s:.2f}x" for s in bd) + f" (geomean {gm(bd):.2f}x)" if bd else "-"
+        print(f"| {M} | " + " | ".join(f"{s:.2f}x" for s in sp) + f" | {gm(sp):.2f}x | {bound} |")
     return rows
 
 
-def sweep_configs(M, N, K):
-    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth."""
+def sweep_configs(M, N, K, family: str = "all"):
+    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth.
+
+    With 4 or 8 warps and BN >= 64 the dot runs on wgmma (Hopper warp-group MMA); with 1-2 warps, or BN < 64, Triton
+    falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
     BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
+    pairs = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)] if family != "mma" else []  # (BN, warps): wgmma
+    if M <= 64 and family != "wgmma":
+        pairs += [(16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (32, 4)]                        # mma.sync
     out = []
     for BM in BMs:
-        for BN in (64, 128, 256):
-            for nw in (4, 8):
-                if BN * BM > 128 * 32 * nw or (nw == 8 and BN == 64):  # accumulators over 128 registers per thread
+        for BN, nw in pairs:
+            if BN * BM > 128 * 32 * nw:                                          # over 128 accumulator registers
+                continue
+            for split in (1, 2, 4, 8, 16):
+                if (K // 128) // split < 2 or -(-N // BN) * -(-M // BM) * split > 16 * 132:
                     continue
-                for split in (1, 2, 4, 8, 16):
-                    if (K // 128) // split < 2 or -(-N // BN) * -(-M // BM) * split > 10 * 132:
-                        continue
-                    for stages in ((2, 3, 4) if BM <= 64 else (2, 3)):
-                        out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages))
+                for stages in ((2, 3, 4) if BM <= 64 else (2, 3)):
+                    out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages))
     return out
 
 
-def _compile_worker(rank: int, jobs: int, Ms):
+def _compile_worker(rank: int, jobs: int, Ms, family: str):
     """Compile (by running once) this worker's share of the sweep configs, so the timing process finds them cached."""
     import kernels
 
     keys = sorted({(M, json.dumps(c, sort_keys=True)) for N, K in SHAPES_7B.values() for M in Ms
-                   if M < kernels.LARGE_M for c in sweep_configs(M, N, K)})
+                   if M < kernels.LARGE_M for c in sweep_configs(M, N, K, family)})
     mine = {k for i, k in enumerate(keys) if i % jobs == rank}
     for N, K in SHAPES_7B.values():
         KT, Np = -(-K // 128), -(-N // 128) * 128                        # the values do not matter for compiling
@@ -144,7 +160,7 @@ def _compile_worker(rank: int, jobs: int, Ms):
                                 torch.ones(1, device="cuda"), N, K)
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            for c in sweep_configs(M, N, K):
+            for c in sweep_configs(M, N, K, family):
                 if (M, json.dumps(c, sort_keys=True)) in mine:
                     try:
                         kernels.nvfp4_mm(x, w, config=c)
@@ -153,11 +169,11 @@ def _compile_worker(rank: int, jobs: int, Ms):
     torch.cuda.synchronize()
 
 
-def precompile(Ms, jobs: int):
+def precompile(Ms, jobs: int, family: str):
     import torch.multiprocessing as mp
 
     t0 = time.time()
-    mp.start_processes(_compile_worker, args=(jobs, Ms), nprocs=jobs, start_method="spawn")
+    mp.start_processes(_compile_worker, args=(jobs, Ms, family), nprocs=jobs, start_method="spawn")
     print(f"compiled the sweep configs in {time.time() - t0:.0f} s with {jobs} processes", file=sys.stderr)
 
 
@@ -463,7 +479,9 @@ def main(argv=None):
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
-    ap.add_argument("--sweep", action="store_true", help="also time the candidate GEMM configs per (shape, M)")
+    ap.add_argument("--sweep", nargs="?", const="all", default=None, choices=["all", "wgmma", "mma"],
+                    help="also time the candidate GEMM configs per (shape, M); optionally only the wgmma (4-8 warps) "
+                         "or the mma.sync (1-2 warps or BN < 64) family")
     ap.add_argument("--m", default="1,16,64,256,4096", help="token counts M for the GEMM table")
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm", help="which kernel benchmarks to run (comma list)")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
