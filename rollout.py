@@ -208,7 +208,17 @@ class Engine:
         for t in range(max_new):
             b = len(row_seq)
             tok, lp = sample_tokens(logits[:b], temperature, top_p, top_k, gen)
-            for j, (tk, l) in enumerate(zip(tok.tolist(), lp.tolist())):
+            tok_h, lp_h = tok.to("cpu", non_blocking=True), lp.to("cpu", non_blocking=True)  # pinned, async
+            done = torch.cuda.Event() if dev.type == "cuda" else None
+            if done is not None:
+                done.record()
+            if t < max_new - 1:  # decode step t+1 now, so the GPU runs it while the host reads step t's tokens;
+                valid[:b, P + t] = True  # a row that just stopped costs one wasted step (its output is dropped)
+                logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
+                                      torch.tensor([P + t], device=dev), P + t + 1)
+            if done is not None:
+                done.synchronize()
+            for j, (tk, l) in enumerate(zip(tok_h.tolist(), lp_h.tolist())):
                 sq = row_seq[j]
                 if sq is None:
                     continue
@@ -224,11 +234,7 @@ class Engine:
                 self.cache.k[:, :len(live)] = self.cache.k[:, idx]
                 self.cache.v[:, :len(live)] = self.cache.v[:, idx]
                 valid[:len(live)] = valid[idx].clone()
-                lengths, tok, row_seq = lengths[idx], tok[idx], [row_seq[j] for j in live]
-                b = len(live)
-            valid[:b, P + t] = True                                             # the token sampled now sits at slot P+t
-            logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
-                                  torch.tensor([P + t], device=dev), P + t + 1)
+                lengths, logits, row_seq = lengths[idx], logits[idx], [row_seq[j] for j in live]
         return [Sample(seqs[r][0], toks[r], lps[r], reason[r]) for r in range(B)]
 
     def _bucket(self, b: int) -> int:
