@@ -163,7 +163,7 @@ if triton is not None:
         a, b = ROT[o]
         mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
         if a == b:
-            bits = f" and.b32 t0, t0, 0x81C081C0;"
+            bits = " and.b32 t0, t0, 0x81C081C0;"
         else:
             bits = (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
                     f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
@@ -173,25 +173,21 @@ if triton is not None:
         _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
 
     @triton.jit
-    def _rotr(v, d: tl.constexpr):
-        return (v >> d) | (v << ((32 - d) % 32)) if d else v
-
-    @triton.jit
-    def _e2m1_block(src, r: tl.constexpr, s_r):
-        # pure-Triton twin of the PTX (the interpreter cannot run PTX): block r of (BN, 16) words -> exact q * s
-        a, b = tl.split(tl.reshape(src.to(tl.uint32, bitcast=True), (src.shape[0], 8, 2)))
-        v = a if r < 4 else b
-        o: tl.constexpr = r % 4
-        ra: tl.constexpr = 0 if o == 0 else 3 if o == 1 else 6 if o == 2 else 13   # ROT[o]
-        rb: tl.constexpr = 0 if o == 0 else 3 if o == 1 else 1 if o == 2 else 2
-        bits = (_rotr(v, ra) & 0x01C001C0) | (_rotr(v, rb) & 0x80008000)        # two bf16 lanes
-        code = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), (src.shape[0], 16))
-        mag = (code >> 6) & 7
-        e = mag >> 1
-        m = (mag & 1).to(tl.float32)
-        q = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    def _e2m1_twin(words, sw0, sw1, BN: tl.constexpr):
+        # pure-Triton twin of the PTX (the interpreter cannot run PTX): (BN, 16) words -> (BN, 128) exact q * s
+        a, b = tl.split(tl.reshape(words.to(tl.uint32, bitcast=True), (BN, 8, 2)))    # (BN, 8): blocks 0-3, 4-7
+        r = tl.arange(0, 8)[None, :, None]                                              # block r, slot o = r % 4
+        v = tl.where(r < 4, a[:, None, :], b[:, None, :])                               # (BN, 8 r, 8 p)
+        ra = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 6, 13))).to(tl.uint32)  # ROT
+        rb = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 1, 2))).to(tl.uint32)
+        bits = (((v >> ra) | (v << ((32 - ra) % 32))) & 0x01C001C0) | (((v >> rb) | (v << ((32 - rb) % 32))) & 0x80008000)
+        code = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), (BN, 8, 16))            # (BN, r, c) bf16-lane bits
+        e, m = (code >> 7) & 3, ((code >> 6) & 1).to(tl.float32)
+        q = tl.where(e == 0, 0.5 * m, tl.exp2((e.to(tl.int32) - 1).to(tl.float32)) * (1.0 + 0.5 * m))
         q = tl.where((code >> 15) != 0, -q, q)
-        return (q * s_r[:, None]).to(tl.bfloat16)
+        s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+        s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return tl.reshape(q * s8[:, :, None], (BN, 128)).to(tl.bfloat16)
 
     @triton.jit
     def _dequant_regs(words, sw0, sw1, BN: tl.constexpr, USE_ASM: tl.constexpr):
@@ -207,20 +203,10 @@ if triton is not None:
                  tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
                  tl.broadcast_to(m6[:, None], sh), tl.broadcast_to(m7[:, None], sh)],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+            j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+            return tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128))  # k = 16 r + c: no data movement
         else:
-            s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
-            s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            r8 = tl.arange(0, 8)[None, :]
-            w0 = _e2m1_block(words, 0, tl.sum(tl.where(r8 == 0, s8, 0.0), 1))
-            w1 = _e2m1_block(words, 1, tl.sum(tl.where(r8 == 1, s8, 0.0), 1))
-            w2 = _e2m1_block(words, 2, tl.sum(tl.where(r8 == 2, s8, 0.0), 1))
-            w3 = _e2m1_block(words, 3, tl.sum(tl.where(r8 == 3, s8, 0.0), 1))
-            w4 = _e2m1_block(words, 4, tl.sum(tl.where(r8 == 4, s8, 0.0), 1))
-            w5 = _e2m1_block(words, 5, tl.sum(tl.where(r8 == 5, s8, 0.0), 1))
-            w6 = _e2m1_block(words, 6, tl.sum(tl.where(r8 == 6, s8, 0.0), 1))
-            w7 = _e2m1_block(words, 7, tl.sum(tl.where(r8 == 7, s8, 0.0), 1))
-        j = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
-        return tl.reshape(tl.permute(j, (0, 2, 3, 4, 1)), (BN, 128))  # k = 16 r + c: no data movement
+            return _e2m1_twin(words, sw0, sw1, BN)
 
     @triton.jit
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -273,19 +259,14 @@ if triton is not None:
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
                               USE_ASM: tl.constexpr):
-        pid_n = tl.program_id(0)
-        n = pid_n * BN + tl.arange(0, BN)
-        for t in range(tl.program_id(1) * TPP, tl.minimum(tl.program_id(1) * TPP + TPP, KT)):
-            _dequant_tile(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, n, t, BN, USE_ASM)
-
-    @triton.jit
-    def _dequant_tile(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, n, t, BN: tl.constexpr, USE_ASM: tl.constexpr):
-        words = tl.load(w_ptr + (t * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :])
-        sw0, sw1 = tl.split(tl.load(s_ptr + (t * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]))
-        wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM).to(tl.float32)
-        wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
-        k = t * 128 + tl.arange(0, 128)
-        tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        for t in range(tl.program_id(1) * TPP, tl.minimum(tl.program_id(1) * TPP + TPP, KT)):  # TPP K tiles of 128
+            words = tl.load(w_ptr + (t * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :])          # (BN, 16)
+            sw0, sw1 = tl.split(tl.load(s_ptr + (t * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]))
+            wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM).to(tl.float32)                         # (BN, 128)
+            wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+            k = t * 128 + tl.arange(0, 128)
+            tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
-"""model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels, and tiny random checkpoints.
+"""model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels.
 
     python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"     # greedy continuation, a smoke test
-    python model.py --make-tiny runs/tiny-qwen2 [--arch qwen3]           # a tiny random checkpoint (real tokenizer)
 
 One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4 checkpoint
 (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
@@ -15,7 +14,6 @@ Leaves out: sliding-window attention, MoE, rope types other than default and lla
 import argparse
 import json
 import math
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -438,79 +436,14 @@ def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Tiny random checkpoints of the real architectures (tests, the README demo, train.py's default)
-
-TOKENIZER_DIR = Path(__file__).resolve().parent / "tests" / "assets" / "qwen2.5-tokenizer"
-TINY_VOCAB = 151936  # the Qwen2.5 embedding size (the tokenizer has 151665 tokens)
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-TINY_ARCHS = {  # head_dim 32 (vLLM's CPU attention supports it), GQA 2:1
-    "qwen2": dict(_TINY, cls="Qwen2", tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),  # qkv bias, tied
-    "qwen3": dict(_TINY, cls="Qwen3", head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
-    "llama": dict(_TINY, cls="Llama", tie_word_embeddings=False, rms_norm_eps=1e-5,
-                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "qwen2_oddk": dict(_TINY, cls="Qwen2", intermediate_size=72, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                       rope_theta=1e6),  # down_proj K = 72: not a multiple of 16, stays bf16 when quantized
-}
-
-
-def build_tiny_hf(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
-    """A tiny random transformers model of a real architecture (norm weights and biases randomised too)."""
-    import transformers
-
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(TINY_ARCHS)}")
-    spec = dict(TINY_ARCHS[arch], **overrides)
-    cls = spec.pop("cls")
-    if "rope_theta" in spec:
-        spec["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.pop("rope_theta")}
-    config = getattr(transformers, f"{cls}Config")(vocab_size=TINY_VOCAB, max_position_embeddings=512,
-                                                   bos_token_id=151643, eos_token_id=151645, **spec)
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{cls}ForCausalLM")(config)
-    with torch.no_grad():  # norms at exactly 1.0 would hide bugs in how their weights are used
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif n.endswith("bias"):
-                p.copy_(0.02 * torch.randn_like(p))
-    return model.to(dtype).eval()
-
-
-def save_tiny_checkpoint(path, arch: str = "qwen2", dtype=torch.bfloat16, shards: int = 1, seed: int = 0,
-                         **overrides) -> Path:
-    """Write a tiny random HF folder (config.json, safetensors, index when sharded, real Qwen2.5 tokenizer)."""
-    path = Path(path)
-    model = build_tiny_hf(arch, seed, dtype, **overrides)
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size=f"{max(1, total // shards // 1000 + 1)}KB" if shards > 1 else "10GB")
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy2(f, path / f.name)
-    return path
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="nanoqerl model utilities: a greedy smoke test, or a tiny random checkpoint.")
-    ap.add_argument("--model", help="HF folder or hub id (bf16 or our NVFP4) for the greedy smoke test")
+    ap = argparse.ArgumentParser(description="nanoqerl model smoke test: greedy continuation of one chat prompt.")
+    ap.add_argument("--model", required=True, help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
     ap.add_argument("--prompt", default="What is 2+3?", help="user message, formatted with the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 checkpoint to NVFP4 while loading")
-    ap.add_argument("--make-tiny", metavar="DIR", help="write a tiny random checkpoint to DIR instead")
-    ap.add_argument("--arch", default="qwen2", choices=sorted(TINY_ARCHS), help="with --make-tiny: the architecture")
-    ap.add_argument("--seed", type=int, default=0, help="with --make-tiny: the weights' random seed")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
-    if args.make_tiny:
-        out = Path(args.make_tiny)
-        if out.exists() and any(out.iterdir()):
-            print(f"error: {out} exists and is not empty: choose another folder", file=sys.stderr)
-            return 2
-        save_tiny_checkpoint(out, args.arch, seed=args.seed)
-        print(f"wrote a tiny random {args.arch} checkpoint to {out}")
-        return 0
-    if not args.model:
-        ap.error("pass --model DIR (or --make-tiny DIR)")
     from transformers import AutoTokenizer
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

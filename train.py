@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import random
 import shutil
@@ -46,6 +45,7 @@ import model as M  # noqa: E402
 import noise  # noqa: E402
 import quantize  # noqa: E402
 import rollout  # noqa: E402
+import tiny  # noqa: E402
 
 
 def opt(default, help, **kw):
@@ -128,47 +128,6 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace]:
 def seeded(cfg: Config, *keys) -> int:
     """A seed derived from (seed, keys), stable across processes (so --resume replays the same draws)."""
     return int(hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()[:15], 16)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The built-in tiny model: random weights + a short supervised format warm-up
-
-def tiny_model_dir(seed: int = 0) -> Path:
-    out = Path(os.environ.get("NANOQERL_CACHE", Path(__file__).resolve().parent / "runs" / ".cache")) / f"tiny-synthetic-{seed}"
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoTokenizer
-    hf = M.build_tiny_hf("qwen2", seed=seed).train()
-    tok = AutoTokenizer.from_pretrained(M.TOKENIZER_DIR)
-    rng, opt_ = random.Random(seed), torch.optim.AdamW(hf.parameters(), lr=1e-2)
-    rows = data.synthetic_rows(256, seed)
-    for _ in range(60):  # the answer format with a RANDOM digit: RL must then find which digit pays
-        batch = rng.sample(rows, 16)
-        seqs = [(data.prompt_token_ids(tok, r["question"]),
-                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"]) for r in batch]
-        L = max(len(p) + len(c) for p, c in seqs)
-        ids = torch.zeros(len(seqs), L, dtype=torch.long)
-        labels = torch.full((len(seqs), L), -100)
-        for i, (p, c) in enumerate(seqs):
-            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-        h = hf.model(input_ids=ids).last_hidden_state
-        sel = labels[:, 1:] != -100
-        logits = hf.lm_head(h[:, :-1][sel])
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:][sel])
-        opt_.zero_grad()
-        loss.backward()
-        opt_.step()
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent if out.parent.exists() else None))
-    hf.to(torch.bfloat16).save_pretrained(tmp)
-    for f in M.TOKENIZER_DIR.iterdir():
-        shutil.copy2(f, tmp / f.name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(out)
-    except OSError:  # built concurrently by another process: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,16 +329,16 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tiny = cfg.model == "tiny"  # defaults that let RL show on a tiny random model within minutes on a CPU
+    small_run = cfg.model == "tiny"  # defaults that let RL show on a tiny random model within minutes on a CPU
     for name, real, small in (("steps", 500, 40), ("lr", 1e-5, 5e-3), ("lora_rank", 32, 8), ("lora_alpha", 64.0, 16.0),
                               ("format_weight", 0.0, 0.2)):
         if getattr(cfg, name) is None:
-            setattr(cfg, name, small if tiny else real)
+            setattr(cfg, name, small if small_run else real)
     print("config:", json.dumps(dataclasses.asdict(cfg)))
     print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))
     dev = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
-    model_dir = str(tiny_model_dir(cfg.seed)) if cfg.model == "tiny" else cfg.model
+    model_dir = str(tiny.tiny_model_dir(cfg.seed)) if cfg.model == "tiny" else cfg.model
     eval_rows = rows[-cfg.eval_limit:] if cfg.eval_task is None else data.load_rows(cfg.eval_task, limit=cfg.eval_limit)[0]
     rows = rows[:-cfg.eval_limit] if cfg.eval_task is None and len(rows) > 2 * cfg.eval_limit else rows
     try:

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random checkpoints of the real architectures, saved as Hugging Face folders.
 
 `make_checkpoint(arch, ...)` builds the model with transformers (random init, fixed seed) through
-model.save_tiny_checkpoint: config.json, safetensors (one file, or shards with model.safetensors.index.json)
+tiny.save_tiny_checkpoint: config.json, safetensors (one file, or shards with model.safetensors.index.json)
 and the real Qwen2.5 tokenizer files (tests/assets/qwen2.5-tokenizer, Apache-2.0). Cached per session.
 """
 import os
@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import model  # noqa: E402
+import tiny  # noqa: E402
 
-TOKENIZER_DIR = model.TOKENIZER_DIR
+TOKENIZER_DIR = tiny.TOKENIZER_DIR
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +33,7 @@ def make_checkpoint(tmp_path_factory):
         key = (arch, str(dtype), shards, seed)
         if key not in cache:
             path = tmp_path_factory.mktemp(f"{arch}-{str(dtype).split('.')[-1]}-{shards}shards")
-            cache[key] = model.save_tiny_checkpoint(path, arch, dtype, shards, seed)
+            cache[key] = tiny.save_tiny_checkpoint(path, arch, dtype, shards, seed)
         return cache[key]
 
     return make

@@ -113,10 +113,9 @@ def test_odd_k_checkpoint_keeps_bf16_linear(make_checkpoint, tmp_path):
 
 def test_token_logprobs_chunked_equals_full():
     torch.manual_seed(0)
-    m = M.Model(M.config_from_hf(json.loads((M.TOKENIZER_DIR.parent / "tiny-config.json").read_text())
-                                 if False else dict(architectures=["Qwen2ForCausalLM"], vocab_size=300, hidden_size=16,
-                                                    intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                    num_key_value_heads=1, tie_word_embeddings=True)))
+    m = M.Model(M.config_from_hf(dict(architectures=["Qwen2ForCausalLM"], vocab_size=300, hidden_size=16,
+                                      intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, tie_word_embeddings=True)))
     with torch.no_grad():
         m.model.embed_tokens.weight.normal_()
     h = torch.randn(37, 16, requires_grad=True)
@@ -318,7 +317,8 @@ def test_load_errors(make_checkpoint, tmp_path):
 
 
 def test_cli_greedy_and_make_tiny(tmp_path, capsys):
-    assert M.main(["--make-tiny", str(tmp_path / "t"), "--arch", "qwen3"]) == 0
+    import tiny
+    assert tiny.main([str(tmp_path / "t"), "--arch", "qwen3"]) == 0
     assert M.main(["--model", str(tmp_path / "t"), "--max-new-tokens", "4"]) == 0
-    assert M.main(["--make-tiny", str(tmp_path / "t")]) == 2
+    assert tiny.main([str(tmp_path / "t")]) == 2
     assert M.main(["--model", str(tmp_path / "nope")]) == 2

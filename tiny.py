@@ -1,0 +1,132 @@
+"""tiny.py: tiny random checkpoints of the real architectures, for the tests and train.py's built-in default.
+
+    python tiny.py runs/tiny-qwen2 [--arch qwen3]      # a tiny random HF checkpoint with the real Qwen2.5 tokenizer
+
+`build_tiny_hf` makes a transformers model of a real architecture (Qwen2, Qwen3, Llama) at hidden size 64 with
+random weights, norm weights and biases; `save_tiny_checkpoint` writes it as an HF folder; `tiny_model_dir` is the
+built-in model of `python train.py`: a tiny Qwen2 after a short supervised warm-up on the answer format with
+random digits (cached under runs/.cache, or $NANOQERL_CACHE). Leaves out: pretrained weights of any kind.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import versions
+
+versions.check()
+import torch  # noqa: E402
+
+import data  # noqa: E402
+
+
+TOKENIZER_DIR = Path(__file__).resolve().parent / "tests" / "assets" / "qwen2.5-tokenizer"
+TINY_VOCAB = 151936  # the Qwen2.5 embedding size (the tokenizer has 151665 tokens)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+TINY_ARCHS = {  # head_dim 32 (vLLM's CPU attention supports it), GQA 2:1
+    "qwen2": dict(_TINY, cls="Qwen2", tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6),  # qkv bias, tied
+    "qwen3": dict(_TINY, cls="Qwen3", head_dim=32, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1e6),
+    "llama": dict(_TINY, cls="Llama", tie_word_embeddings=False, rms_norm_eps=1e-5,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2_oddk": dict(_TINY, cls="Qwen2", intermediate_size=72, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                       rope_theta=1e6),  # down_proj K = 72: not a multiple of 16, stays bf16 when quantized
+}
+
+
+def build_tiny_hf(arch: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random transformers model of a real architecture (norm weights and biases randomised too)."""
+    import transformers
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {', '.join(TINY_ARCHS)}")
+    spec = dict(TINY_ARCHS[arch], **overrides)
+    cls = spec.pop("cls")
+    if "rope_theta" in spec:
+        spec["rope_parameters"] = {"rope_type": "default", "rope_theta": spec.pop("rope_theta")}
+    config = getattr(transformers, f"{cls}Config")(vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                                                   bos_token_id=151643, eos_token_id=151645, **spec)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config)
+    with torch.no_grad():  # norms at exactly 1.0 would hide bugs in how their weights are used
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+def save_tiny_checkpoint(path, arch: str = "qwen2", dtype=torch.bfloat16, shards: int = 1, seed: int = 0,
+                         **overrides) -> Path:
+    """Write a tiny random HF folder (config.json, safetensors, index when sharded, real Qwen2.5 tokenizer)."""
+    path = Path(path)
+    model = build_tiny_hf(arch, seed, dtype, **overrides)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(path, max_shard_size=f"{max(1, total // shards // 1000 + 1)}KB" if shards > 1 else "10GB")
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, path / f.name)
+    return path
+
+
+
+def tiny_model_dir(seed: int = 0) -> Path:
+    out = Path(os.environ.get("NANOQERL_CACHE", Path(__file__).resolve().parent / "runs" / ".cache")) / f"tiny-synthetic-{seed}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoTokenizer
+    hf = build_tiny_hf("qwen2", seed=seed).train()
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    rng, opt_ = random.Random(seed), torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    rows = data.synthetic_rows(256, seed)
+    for _ in range(60):  # the answer format with a RANDOM digit: RL must then find which digit pays
+        batch = rng.sample(rows, 16)
+        seqs = [(data.prompt_token_ids(tok, r["question"]),
+                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"]) for r in batch]
+        L = max(len(p) + len(c) for p, c in seqs)
+        ids = torch.zeros(len(seqs), L, dtype=torch.long)
+        labels = torch.full((len(seqs), L), -100)
+        for i, (p, c) in enumerate(seqs):
+            ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
+        h = hf.model(input_ids=ids).last_hidden_state
+        sel = labels[:, 1:] != -100
+        logits = hf.lm_head(h[:, :-1][sel])
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels[:, 1:][sel])
+        opt_.zero_grad()
+        loss.backward()
+        opt_.step()
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent if out.parent.exists() else None))
+    hf.to(torch.bfloat16).save_pretrained(tmp)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, tmp / f.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # built concurrently by another process: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Write a tiny random checkpoint of a real architecture (real tokenizer).")
+    ap.add_argument("out", metavar="DIR", help="folder to create (must not exist or be empty)")
+    ap.add_argument("--arch", default="qwen2", choices=sorted(TINY_ARCHS), help="the architecture")
+    ap.add_argument("--seed", type=int, default=0, help="the weights' random seed")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        print(f"error: {out} exists and is not empty: choose another folder", file=sys.stderr)
+        return 2
+    save_tiny_checkpoint(out, args.arch, seed=args.seed)
+    print(f"wrote a tiny random {args.arch} checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
