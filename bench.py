@@ -114,7 +114,7 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["gemm"] = rows
     if sweep:
         out["best_cfgs"] = best_cfgs
-    print(f"\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound |\n|---|" + "---|" * (len(SHAPES_7B) + 2))
+    print("\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound |\n|---|" + "---|" * (len(SHAPES_7B) + 2))
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     for M in Ms:
         sp = [r["speedup"] for r in rows if r["M"] == M]
@@ -371,14 +371,15 @@ def bench_hf_generate(size, batches, new_tokens, prompt):
     return rows
 
 
-def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8, prompt_len: int = 256, new_tokens: int = 512):
+def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8, prompt_len: int = 256, new_tokens: int = 512,
+                  recompute: bool = True):
     """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2 minibatch updates."""
     rows = []
     for base in ("nvfp4", "bf16"):
         try:
-            row = _rl_step_one(size, base, prompts, group, prompt_len, new_tokens)
+            row = _rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute)
         except torch.cuda.OutOfMemoryError:   # e.g. a bf16 32B base (65 GB) with its KV cache and activations
-            row = dict(size=size, base=base, oom=True)
+            row = dict(size=size, base=base, grad_checkpoint=recompute, oom=True)
         gc.collect()
         torch.cuda.empty_cache()
         rows.append(row)
@@ -386,7 +387,7 @@ def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8,
     out.setdefault("rl_step", []).extend(rows)
 
 
-def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens) -> dict:
+def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute) -> dict:
     import grpo
     import lora
     import rollout
@@ -394,7 +395,7 @@ def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens) -> dict:
 
     m = random_model(size, base == "nvfp4")
     params = lora.add_lora(m, 32, 64)
-    m.grad_checkpoint = True
+    m.grad_checkpoint = recompute
     opt_ = torch.optim.AdamW(params, lr=1e-5)
     eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
     P = torch.randint(0, 150000, (prompts, prompt_len)).tolist()
@@ -423,7 +424,7 @@ def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens) -> dict:
         m.eval()
         torch.cuda.synchronize()
         t2 = time.time()
-    return dict(size=size, base=base, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
+    return dict(size=size, base=base, grad_checkpoint=recompute, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
                 peak_GB=torch.cuda.max_memory_allocated() / 1e9)
 
 
@@ -476,6 +477,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
     ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
+    ap.add_argument("--no-grad-checkpoint", action="store_true",
+                    help="with train: keep every layer's activations instead of recomputing them in backward")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
@@ -503,7 +506,7 @@ def main(argv=None):
         elif args.what == "rollout":
             bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf)
         else:
-            bench_rl_step(out, args.size, new_tokens=args.new_tokens)
+            bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
