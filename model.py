@@ -13,7 +13,6 @@ Leaves out: sliding-window attention, MoE, rope types other than default and lla
 """
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import kernels  # noqa: E402
 import quantize  # noqa: E402
+from rope import apply_rope, rope_cache, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -70,34 +70,6 @@ def config_from_hf(d: dict) -> Config:
                   qkv_bias=SUPPORTED[arch] == "qwen2" or bool(d.get("attention_bias", False)),
                   qk_norm=SUPPORTED[arch] == "qwen3", max_position_embeddings=d.get("max_position_embeddings", 4096),
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
-def rope_inv_freq(cfg: Config) -> torch.Tensor:
-    """Inverse frequencies as HF computes them (default; llama3 smoothing when configured)."""
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
-    s = cfg.rope_scaling
-    if s and s.get("rope_type", s.get("type")) == "llama3":
-        factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        llama = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * llama / factor + smooth * llama
-        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
-        inv = torch.where(medium, smoothed, llama)
-    return inv
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
-    """positions (B, T) -> cos, sin (B, 1, T, D) in dtype, computed in fp32 like HF."""
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)     # (B, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)                                    # (B, T, D)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Linear(nn.Module):
@@ -229,7 +201,7 @@ class Layer(nn.Module):
         if cfg.qk_norm:
             q, k = kernels.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), kernels.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
         if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel; read kv_len slots
-            q = kernels.rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
+            q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
             k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)

@@ -8,6 +8,7 @@ import torch
 
 import kernels as K
 import quantize as Q
+import rope
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]  # CPU: the interpreter; a GPU machine runs the real kernels
@@ -200,8 +201,8 @@ def test_rope_cache_matches_reference(device, dtype, T, separate):
     slots = torch.randperm(S, generator=g)[:T].to(device)
     cache0 = torch.randn(2, B, HK, S, D, generator=g).to(device, dtype)
     caches = [cache0.clone(), cache0.clone()]
-    ref_q = K.rope_cache_ref(q, k, v, cos, sin, caches[0][0], caches[0][1], slots)
-    out_q = K.rope_cache(q, k, v, cos, sin, caches[1][0], caches[1][1], slots)
+    ref_q = rope.rope_cache_ref(q, k, v, cos, sin, caches[0][0], caches[0][1], slots)
+    out_q = rope.rope_cache(q, k, v, cos, sin, caches[1][0], caches[1][1], slots)
     # fp32: exact in the interpreter, a fused multiply-add on the GPU (1e-6). bf16: the products and the sum are each
     # rounded (truncated in the interpreter), so at most one bf16 ulp of |x| apart per rounding: 3 * 2^-7 * max |x|
     # (|cos|, |sin| <= 1)
