@@ -78,7 +78,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
     if sweep:
-        precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep)
+        import bench_sweep
+        bench_sweep.precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep)
     for name, (N, K) in SHAPES_7B.items():
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         wb = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(N * K * 2) - 1)]
@@ -95,7 +96,7 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
                 t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])
                 row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq)
             if sweep and M < kernels.LARGE_M:
-                cands = sweep_configs(M, N, K, sweep)
+                cands = bench_sweep.sweep_configs(M, N, K, sweep)
                 res = []
                 for cfg in cands:
                     try:
@@ -122,59 +123,6 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
         bound = " | ".join(f"{s:.2f}x" for s in bd) + f" (geomean {gm(bd):.2f}x)" if bd else "-"
         print(f"| {M} | " + " | ".join(f"{s:.2f}x" for s in sp) + f" | {gm(sp):.2f}x | {bound} |")
     return rows
-
-
-def sweep_configs(M, N, K, family: str = "all"):
-    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth.
-
-    With 4 or 8 warps and BN >= 64 the dot runs on wgmma (Hopper warp-group MMA); with 1-2 warps, or BN < 64, Triton
-    falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
-    BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
-    pairs = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)] if family != "mma" else []  # (BN, warps): wgmma
-    if M <= 64 and family != "wgmma":
-        pairs += [(16, 1), (32, 1), (32, 2), (64, 1), (64, 2), (32, 4)]                        # mma.sync
-    out = []
-    for BM in BMs:
-        for BN, nw in pairs:
-            if BN * BM > 128 * 32 * nw:                                          # over 128 accumulator registers
-                continue
-            for split in (1, 2, 4, 8, 16):
-                if (K // 128) // split < 2 or -(-N // BN) * -(-M // BM) * split > 16 * 132:
-                    continue
-                for stages in ((2, 3, 4) if BM <= 64 else (2, 3)):
-                    out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages))
-    return out
-
-
-def _compile_worker(rank: int, jobs: int, Ms, family: str):
-    """Compile (by running once) this worker's share of the sweep configs, so the timing process finds them cached."""
-    import kernels
-
-    keys = sorted({(M, json.dumps(c, sort_keys=True)) for N, K in SHAPES_7B.values() for M in Ms
-                   if M < kernels.LARGE_M for c in sweep_configs(M, N, K, family)})
-    mine = {k for i, k in enumerate(keys) if i % jobs == rank}
-    for N, K in SHAPES_7B.values():
-        KT, Np = -(-K // 128), -(-N // 128) * 128                        # the values do not matter for compiling
-        w = kernels.NVFP4Weight(torch.zeros(KT, Np, 16, dtype=torch.int32, device="cuda"),
-                                torch.zeros(KT, Np, 2, dtype=torch.int32, device="cuda"),
-                                torch.ones(1, device="cuda"), N, K)
-        for M in Ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            for c in sweep_configs(M, N, K, family):
-                if (M, json.dumps(c, sort_keys=True)) in mine:
-                    try:
-                        kernels.nvfp4_mm(x, w, config=c)
-                    except Exception:  # out of shared memory or registers: the timing pass skips it too
-                        pass
-    torch.cuda.synchronize()
-
-
-def precompile(Ms, jobs: int, family: str):
-    import torch.multiprocessing as mp
-
-    t0 = time.time()
-    mp.start_processes(_compile_worker, args=(jobs, Ms, family), nprocs=jobs, start_method="spawn")
-    print(f"compiled the sweep configs in {time.time() - t0:.0f} s with {jobs} processes", file=sys.stderr)
 
 
 def bench_dgrad(out: dict):
@@ -308,7 +256,7 @@ def bench_model(out: dict, size: str = "7b"):
         rows.append(dict(base="nvfp4" if nv else "bf16", weights_GB=wb / 1e9, fwd_bwd_ms=ms,
                          peak_GB=torch.cuda.max_memory_allocated() / 1e9))
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
-        del m
+        m = None  # free it before the next base is built
     out["model_" + size] = rows
 
 
