@@ -404,15 +404,17 @@ def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32):
         eng.generate(P, max_new_tokens=1, stop_token_ids=[])
     with profile(activities=[ProfilerActivity.CUDA]) as p1:
         eng.generate(P, max_new_tokens=steps + 1, stop_token_ids=[])
-    t = {}
+    t, n = {}, {}
     for sign, prof in ((-1, p0), (1, p1)):
         for e in prof.key_averages():
             if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
                 t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
-    total = sum(v for v in t.values() if v > 0)
-    print(f"{size} NVFP4 batch {B}: {total / steps / 1e3:.3f} ms of kernels per decode step (eager, {steps} steps)")
+                n[e.key] = n.get(e.key, 0) + sign * e.count
+    total, launches = sum(v for v in t.values() if v > 0), sum(v for v in n.values() if v > 0)
+    print(f"{size} NVFP4 batch {B}: {total / steps / 1e3:.3f} ms of kernels in {launches / steps:.0f} launches per "
+          f"decode step (eager, {steps} steps)")
     for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
-        print(f"{v / steps:9.1f} us/step {100 * v / total:5.1f}%  {k[:110]}")
+        print(f"{v / steps:9.1f} us/step {100 * v / total:5.1f}% {n[k] / steps:6.1f}x  {k[:100]}")
 
 
 def main(argv=None):

@@ -21,9 +21,10 @@ AND and a LOP3 (11 integer ops per 8 weights); one bf16x2 multiply applies the b
 subnormal; the fp8 scale byte shifted left by 4 is s * 2^-120 as bf16, times 2^127 gives s * 2^7; their product
 q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies by 2^119 / global_scale once. Split-K programs
 park partial sums in a workspace and the last one to finish (a counter per output tile) writes the result, so a
-call is one launch. Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
+call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
+Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
 
-Leaves out: FP4 activations (Blackwell only), fused LoRA in the GEMM epilogue, non-Hopper tuning.
+Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning.
 """
 import functools
 import os
@@ -209,10 +210,31 @@ if triton is not None:
             return _e2m1_twin(words, sw0, sw1, BN)
 
     @triton.jit
-    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                         M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym,
+    def _dot(a, b, acc, USE_ASM: tl.constexpr):
+        if USE_ASM:
+            return tl.dot(a, b, acc)
+        else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+
+    @triton.jit
+    def _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
+               RP: tl.constexpr, USE_ASM: tl.constexpr):
+        # y = acc (BN, BM) fp32 + bias + the LoRA term B @ xa^T (xa = x @ A^T: (M, R), B: (N, R), R <= RP), rounded once
+        if RP > 0:
+            r = tl.arange(0, RP)
+            bt = tl.load(lb_ptr + n[:, None] * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+            xa = tl.load(xa_ptr + m[None, :] * R + r[:, None], mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)
+            acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(n[:, None] < N) & (m[None, :] < M))
+
+    @triton.jit
+    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
+                         M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, UNROLL: tl.constexpr = 1):
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -227,10 +249,7 @@ if triton is not None:
             sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
             xt = tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
             wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM)                              # (BN, 128) bf16
-            if USE_ASM:
-                acc = tl.dot(wt, tl.trans(xt), acc)                                  # (BN, BM) fp32
-            else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
-                acc = tl.dot(wt.to(tl.float32), tl.trans(xt).to(tl.float32), acc)
+            acc = _dot(wt, tl.trans(xt), acc, USE_ASM)                                 # (BN, BM) fp32
             wp += NP * 16
             sp += NP * 2
             xp += 128
@@ -247,14 +266,10 @@ if triton is not None:
                 for s in range(0, SPLIT_K):
                     acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
                                    mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-                tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
                 tl.atomic_xchg(cnt_ptr + tile, 0)
         else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
@@ -308,11 +323,17 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=3)
 
 
-def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None):
+def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None,
+             lora=None):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
 
+    lora=(xa, B): also add xa @ B^T in the epilogue (xa = x @ A^T (M, R), B (N, R), R <= 128; the rollout's LoRA).
     use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
-    M, K = x2.shape
+    (M, K), (xa, lb) = x2.shape, lora if lora is not None else (x2, x2)
+    R = xa.shape[1] if lora is not None else 0
+    if lora is not None and (xa.shape != (M, R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous()):
+        raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, {tuple(lb.shape)}")
+    xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
@@ -321,9 +342,10 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     grid = (-(-N // BN), -(-M // BM), split)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
-    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt,
-                           M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), BM=BM, BN=BN, SPLIT_K=split,
-                           HAS_BIAS=bias is not None, USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
+                           M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
+                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
     return y
 
 

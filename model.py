@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import kernels  # noqa: E402
 import quantize  # noqa: E402
-from rope import apply_rope, rope_cache, rope_cos_sin, rope_inv_freq  # noqa: E402
+from ops import apply_rope, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -91,7 +91,7 @@ class Linear(nn.Module):
 
     def forward(self, x):                                                     # (..., in) -> (..., out)
         y = base_linear(self, x, self.qweight() if self.words is not None else None)
-        return add_lora_snapshot(self, x, y) if self.snap is not None else self.add_lora(x, y)
+        return y if self.snap is not None else self.add_lora(x, y)
 
     def add_lora(self, x, y):
         if self.lora_A is not None and self.lora_on:
@@ -101,14 +101,22 @@ class Linear(nn.Module):
 
 
 def base_linear(mod, x, qw):
-    """The frozen base: NVFP4 through kernels (on CPU the reference, with the dequantized weight cached), or bf16."""
+    """The frozen base: NVFP4 through kernels (on CPU the reference, with the dequantized weight cached), or bf16;
+    plus the generation snapshot of its LoRA (mod.snap), added in the NVFP4 GEMM's epilogue where it runs."""
+    snap = getattr(mod, "snap", None)
     if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
         if getattr(mod, "_deq", None) is None:
             mod._deq = kernels.dequantize_ref(qw, x.dtype)
-        return F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
-    if qw is not None:
-        return kernels.nvfp4_linear(x, qw, mod.bias)
-    return F.linear(x, mod.weight, mod.bias)
+        y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
+    elif qw is not None and snap is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
+            and x.numel() < kernels.LARGE_M * x.shape[-1] and not torch.is_grad_enabled():
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()                            # (M, in)
+        return kernels.nvfp4_mm(x2, qw, mod.bias, lora=(x2 @ snap[0].t(), snap[1])).view(*x.shape[:-1], -1)
+    elif qw is not None:
+        y = kernels.nvfp4_linear(x, qw, mod.bias)
+    else:
+        y = F.linear(x, mod.weight, mod.bias)
+    return add_lora_snapshot(mod, x, y)
 
 
 class Fused(nn.Module):
@@ -140,7 +148,7 @@ class Fused(nn.Module):
     def forward(self, x, lins):                                               # -> one output per member
         qw = kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features) \
             if self.words is not None else None
-        y, outs, off = add_lora_snapshot(self, x, base_linear(self, x, qw)), [], 0
+        y, outs, off = base_linear(self, x, qw), [], 0
         for lin, p in zip(lins, self.pads):
             outs.append(y[..., off:off + lin.out_features] if self.snap is not None else
                         lin.add_lora(x, y[..., off:off + lin.out_features]))
@@ -190,11 +198,16 @@ class Layer(nn.Module):
         m.gate_proj, m.up_proj = Linear(H, cfg.intermediate_size, False), Linear(H, cfg.intermediate_size, False)
         m.down_proj = Linear(cfg.intermediate_size, H, False)
 
-    def forward(self, h, cos, sin, mask, noise, cache, slots, kv_len):
+    def forward(self, h, d, cos, sin, mask, noise, cache, slots, kv_len):
+        """The hidden state is h + d (d: the previous layer's MLP output, None at layer 0): the residual add is
+        fused into this layer's first norm. Returns the next (h, d)."""
         B, T, _ = h.shape
         cfg, a, m = self.cfg, self.self_attn, self.mlp
         z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
-        x = kernels.rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
+        if d is None:
+            x = kernels.rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
+        else:
+            x, h = kernels.rms_norm(d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], residual=h)
         q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x)
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -210,7 +223,7 @@ class Layer(nn.Module):
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = kernels.rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         gate, up = project(m, ("gate_proj", "up_proj"), x)
-        return h + m.down_proj(F.silu(gate) * up)
+        return h, m.down_proj(silu_mul(gate, up))
 
 
 def project(mod, names, x):
@@ -266,15 +279,17 @@ class Model(nn.Module):
         """ids, positions (B, T); mask (B, 1, T, S) bool -> final hidden states (B, T, H), normed.
 
         With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
-        h = self.model.embed_tokens(ids)                                       # (B, T, H)
+        h, d = self.model.embed_tokens(ids), None                              # (B, T, H); hidden = h + d
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        if mask.dtype == torch.bool:  # additive, once: SDPA would convert a bool mask in every layer
+            mask = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:
             args = (cos, sin, mask, self.noise, cache, slots, kv_len)
             if self.grad_checkpoint and torch.is_grad_enabled() and cache is None:
-                h = checkpoint(layer, h, *args, use_reentrant=False)
+                h, d = checkpoint(layer, h if d is None else h + d, None, *args, use_reentrant=False)  # saves one
             else:
-                h = layer(h, *args)
-        return kernels.rms_norm(h, self.model.norm.weight, self.cfg.rms_norm_eps)
+                h, d = layer(h, d, *args)
+        return kernels.rms_norm(d, self.model.norm.weight, self.cfg.rms_norm_eps, residual=h)[0]
 
     def logits(self, h):                                                       # (..., H) -> (..., V)
         return F.linear(h, self.lm_weight())

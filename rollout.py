@@ -76,9 +76,8 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(z, -1)                                            # (B, V)
-    cdf = logp.exp().cumsum(-1)                                                # inverse-CDF draw: one uniform per
-    u = torch.rand(z.shape[0], 1, generator=gen, device=z.device) * cdf[:, -1:]  # row (multinomial is slow on CPU)
-    tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=z.shape[-1] - 1)
+    e = torch.empty_like(logp).exponential_(generator=gen)                     # exponential race: argmax p_i / e_i
+    tok = (logp.exp() / e).argmax(-1)                                          # is token i with probability p_i
     tok = torch.where(torch.isfinite(logp.gather(-1, tok[:, None])[:, 0]), tok, logp.argmax(-1))  # never a -inf token
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 

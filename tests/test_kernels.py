@@ -8,7 +8,7 @@ import torch
 
 import kernels as K
 import quantize as Q
-import rope
+import ops
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]  # CPU: the interpreter; a GPU machine runs the real kernels
@@ -80,6 +80,30 @@ def test_gemm_split_k_bias_and_batched_input(device):
     assert torch.equal(y, y2)
     out = K.nvfp4_linear(x, w, bias)
     assert out.shape == (2, 3, 96)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,R,split", [(1, 8, 1), (5, 96, 2), (20, 32, 1), (20, 32, 4)])
+def test_gemm_lora_epilogue(device, M, R, split):
+    """lora=(xa, B) adds xa @ B^T (the rollout's LoRA snapshot, R = sum of ranks, padded inside the kernel to a
+    power of two >= 16) before the single output rounding, with and without split-K; the fp32 expectation gets the
+    term in fp32 and the same tolerance plus fp32 accumulation error of the R-long sum."""
+    w, _ = make_weight(96, 512, seed=M + R, device=device)
+    g = torch.Generator().manual_seed(R)
+    x = torch.randn(M, 512, generator=g).to(device, torch.bfloat16)
+    xa = torch.randn(M, R, generator=g).to(device, torch.bfloat16)
+    B = (0.1 * torch.randn(96, R, generator=g)).to(device, torch.bfloat16)
+    bias = torch.randn(96, generator=g).to(device, torch.bfloat16)
+    cfg = dict(BM=16 if M <= 16 else 32, BN=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    y = K.nvfp4_mm(x, w, bias, config=cfg, lora=(xa, B))
+    y32, tol = expected(x, w, bias)
+    y32 = y32 + xa.float() @ B.float().t()
+    tol = tol + ROUND[device] * (xa.float() @ B.float().t()).abs() + 1e-5 * (xa.float().abs() @ B.float().abs().t())
+    print(f"lora epilogue {device} M={M} R={R} split={split}: max |y - y32| {(y.float() - y32).abs().max().item():.3g}")
+    assert ((y.float() - y32).abs() <= tol).all()
+    assert not torch.allclose(y, K.nvfp4_mm(x, w, bias, config=cfg), atol=1e-2)   # the term is really there
+    with pytest.raises(ValueError, match="lora must be"):
+        K.nvfp4_mm(x, w, bias, config=cfg, lora=(xa, B[:, :-1]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -179,7 +203,31 @@ def test_rms_norm_backward(device, with_noise, with_res):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Clear errors
+# SiLU x up, RoPE + cache write
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 40), (2, 3, 1100)])
+def test_silu_mul_matches_reference(device, dtype, shape):
+    """gate and up as the two halves of a padded fused gate_up output (strided views), as the MLP passes them. The
+    kernel rounds silu to the input dtype before the product, as torch does; exp may differ from torch's in the last
+    fp32 bit, which can move a bf16 rounding by one ulp (two roundings: 2 * 2^-7 relative; the interpreter
+    truncates instead of rounding: 2 * 2^-6). fp32: 1e-6 relative."""
+    g = torch.Generator().manual_seed(shape[-1])
+    N = shape[-1]
+    y = (4 * torch.randn(*shape[:-1], 2 * N + 24, generator=g)).to(device, dtype)   # (B, T, 2 N + pad)
+    gate, up = y[..., :N], y[..., N + 24:]
+    got, ref = ops.silu_mul(gate, up), ops.silu_mul_ref(gate, up)
+    assert got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
+    rel = (2 * 2.0 ** -7 if device == "cuda" else 2 * 2.0 ** -6) if dtype == torch.bfloat16 else 1e-6
+    err = (got.float() - ref.float()).abs()
+    print(f"silu_mul {device} {dtype} {shape}: max |kernel - reference| {err.max().item():.3g}")
+    assert (err <= rel * ref.float().abs() + 1e-6).all()
+    gate.requires_grad_(True)  # with autograd on, the differentiable torch ops run
+    assert ops.silu_mul(gate, up).grad_fn is not None
+    with pytest.raises(ValueError, match="must match"):
+        ops.silu_mul(gate, up[..., :-1])
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -201,8 +249,8 @@ def test_rope_cache_matches_reference(device, dtype, T, separate):
     slots = torch.randperm(S, generator=g)[:T].to(device)
     cache0 = torch.randn(2, B, HK, S, D, generator=g).to(device, dtype)
     caches = [cache0.clone(), cache0.clone()]
-    ref_q = rope.rope_cache_ref(q, k, v, cos, sin, caches[0][0], caches[0][1], slots)
-    out_q = rope.rope_cache(q, k, v, cos, sin, caches[1][0], caches[1][1], slots)
+    ref_q = ops.rope_cache_ref(q, k, v, cos, sin, caches[0][0], caches[0][1], slots)
+    out_q = ops.rope_cache(q, k, v, cos, sin, caches[1][0], caches[1][1], slots)
     # fp32: exact in the interpreter, a fused multiply-add on the GPU (1e-6). bf16: the products and the sum are each
     # rounded (truncated in the interpreter), so at most one bf16 ulp of |x| apart per rounding: 3 * 2^-7 * max |x|
     # (|cos|, |sin| <= 1)
@@ -217,6 +265,9 @@ def test_rope_cache_matches_reference(device, dtype, T, separate):
     others[slots.cpu()] = False
     assert torch.equal(caches[1][:, :, :, others.to(device)], cache0[:, :, :, others.to(device)])  # nothing else
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Clear errors
 
 def test_errors():
     w, (packed, scale, gs) = make_weight(32, 64)

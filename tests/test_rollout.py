@@ -61,6 +61,24 @@ def test_sampled_logprobs_equal_model_log_softmax(models, temperature):
         assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4), (s.logprobs, ref)
 
 
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
+def test_sampler_draws_from_the_distribution_it_reports(temperature, top_k):
+    """40000 draws from one row of logits: token frequencies match exp(logprob) within 5 standard errors (a biased
+    sampler, e.g. argmax of p * e instead of p / e, is off by far more), and every draw's logprob is its token's."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=DEV).repeat(40000, 1)  # (draws, V)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    tok, lp = R.sample_tokens(logits, temperature, 1.0, top_k, gen)
+    z = logits[0] / temperature
+    if top_k:
+        z = z.masked_fill(z < z.topk(top_k).values[-1], float("-inf"))
+    p = torch.softmax(z, -1)                                                   # (V,)
+    freq = torch.bincount(tok, minlength=6).float() / tok.numel()
+    se = (p * (1 - p) / tok.numel()).sqrt()
+    print(f"sampler T={temperature} top_k={top_k}: freq {freq.tolist()} vs p {p.tolist()}")
+    assert ((freq - p).abs() <= 5 * se + 1e-9).all()
+    assert torch.allclose(lp, p.log()[tok])
+
+
 def test_top_k_and_top_p_restrict_and_renormalise(models):
     m = models["fp32"]
     eng = R.Engine(m, max_batch=8, max_len=64)
@@ -136,6 +154,31 @@ def test_aqn_noise_and_lora_are_read_in_place(models):
     for lin in [lin for _, lin in m.linears()]:
         lin.lora_A = lin.lora_B = None
     m.lora_config = None
+
+
+def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch):
+    """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU): generation adds the
+    adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with torch ops. Greedy tokens must be
+    argmaxes of the trainer's logits (up to near ties) and the engine's logprobs equal the trainer's log-softmax."""
+    monkeypatch.setattr(M.kernels, "CPU_TRITON", True)
+    Q.quantize_checkpoint(str(make_checkpoint("qwen2", dtype=torch.float32)), str(tmp_path / "q"), progress=False)
+    m = M.Model.from_pretrained(tmp_path / "q", DEV, torch.bfloat16)
+    params = lora.add_lora(m, rank=4, alpha=8)
+    with torch.no_grad():
+        for p in params[1::2]:
+            p.normal_(0, 0.5)
+    calls = []
+    monkeypatch.setattr(R.M.kernels, "nvfp4_mm", lambda *a, **k: calls.append("lora" in k) or K_mm(*a, **k))
+    eng = R.Engine(m, max_batch=4, max_len=64)
+    out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
+    assert any(calls)                                    # the epilogue path really ran
+    for s in out:
+        assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol=0.1)
+        ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
+        assert torch.allclose(torch.tensor(s.logprobs), ref, atol=0.05), (s.logprobs, ref)
+
+
+K_mm = M.kernels.nvfp4_mm
 
 
 def test_bad_input(models):

@@ -1,7 +1,8 @@
-"""rope.py: rotary position embeddings with HF's numerics, and one Triton kernel that rotates q and k and writes
-k and v to the KV cache during generation (beside its PyTorch reference).
+"""ops.py: the decoder's small ops beside the GEMM and the norm (kernels.py): rotary position embeddings with HF's
+numerics, and two fused Triton kernels, each beside its PyTorch reference: one rotates q and k and writes k and v
+to the KV cache during generation, one computes the MLP's SiLU(gate) * up in one pass.
 
-    pytest tests/test_kernels.py -k rope      # the kernel against the reference (CPU: TRITON_INTERPRET=1)
+    pytest tests/test_kernels.py -k "rope or silu"     # the kernels against the references (CPU: TRITON_INTERPRET=1)
 
 Default and llama3 rope types only; no partial rotary, no NTK / YaRN scaling. Used by model.py.
 """
@@ -105,3 +106,35 @@ def rope_cache(q, k, v, cos, sin, cache_k, cache_v, slots):
         q, k, v, cos, sin, qo, cache_k, cache_v, slots, T, HQ, HK, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
         *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1)
     return qo
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SiLU(gate) * up in one pass (the MLP between gate_up and down), rounded like torch's two ops
+
+def silu_mul_ref(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+        row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=cols < N, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols, mask=cols < N, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)       # silu, rounded as torch does
+        tl.store(y_ptr + row * N + cols, (s * u).to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up for (..., N) views (e.g. the two halves of a fused gate_up output). One Triton kernel for
+    inference; with autograd on (training) the two torch ops, whose backward torch provides."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    if not _use_triton(gate) or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+        return silu_mul_ref(gate, up)
+    N = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, N), up.reshape(-1, N)                              # views when rows are evenly strided
+    g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
+    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)              # (rows, N)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, 1024))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=1024)
+    return y.view(gate.shape)
