@@ -390,12 +390,16 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
     print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}")
 
 
-def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32):
-    """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B)."""
+def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_rank: int = 0):
+    """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B; with
+    lora_rank, LoRA of that rank on every linear, as in `bench.py train`)."""
+    import lora
     import rollout
     from torch.profiler import ProfilerActivity, profile
 
     m = random_model(size, True)
+    if lora_rank:
+        lora.add_lora(m, lora_rank, 2 * lora_rank)
     eng = rollout.Engine(m, max_batch=B, max_len=prompt + 512, cuda_graphs=False)
     P = torch.randint(0, 150000, (B, prompt)).tolist()
     eng.generate(P, max_new_tokens=4, stop_token_ids=[])                          # compile
@@ -411,7 +415,7 @@ def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32):
                 t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
                 n[e.key] = n.get(e.key, 0) + sign * e.count
     total, launches = sum(v for v in t.values() if v > 0), sum(v for v in n.values() if v > 0)
-    print(f"{size} NVFP4 batch {B}: {total / steps / 1e3:.3f} ms of kernels in {launches / steps:.0f} launches per "
+    print(f"{size} NVFP4{f' + LoRA r{lora_rank}' if lora_rank else ''} batch {B}: {total / steps / 1e3:.3f} ms of kernels in {launches / steps:.0f} launches per "
           f"decode step (eager, {steps} steps)")
     for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
         print(f"{v / steps:9.1f} us/step {100 * v / total:5.1f}% {n[k] / steps:6.1f}x  {k[:100]}")
@@ -429,6 +433,7 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
     ap.add_argument("--no-grad-checkpoint", action="store_true",
                     help="with train: keep every layer's activations instead of recomputing them in backward")
+    ap.add_argument("--lora-rank", type=int, default=0, help="with profile: LoRA of this rank on every linear")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
@@ -444,7 +449,7 @@ def main(argv=None):
         print("error: bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.what == "profile":
-        return profile_decode(args.size, int(args.batches.split(",")[0])) or 0
+        return profile_decode(args.size, int(args.batches.split(",")[0]), lora_rank=args.lora_rank) or 0
     if args.what == "one":
         return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
