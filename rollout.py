@@ -61,8 +61,12 @@ def check_request(prompts, n, max_new_tokens, stop_token_ids, vocab_size: int, m
         raise ValueError(f"unknown stop token ids {bad}: the vocabulary has {vocab_size} entries")
 
 
-def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: torch.Generator):
-    """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled from."""
+def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: torch.Generator, race: bool | None = None):
+    """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled from.
+
+    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one pass over B x V, the
+    default on CUDA) and the inverse CDF (one uniform per row and a cumsum over V: cheaper on a CPU, the default
+    there). `race` picks one explicitly (the tests check both)."""
     if temperature <= 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
@@ -76,8 +80,13 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(z, -1)                                            # (B, V)
-    e = torch.empty_like(logp).exponential_(generator=gen)                     # exponential race: argmax p_i / e_i
-    tok = (logp.exp() / e).argmax(-1)                                          # is token i with probability p_i
+    p = logp.exp()
+    if logits.is_cuda if race is None else race:
+        tok = (p / torch.empty_like(p).exponential_(generator=gen)).argmax(-1)
+    else:
+        cdf = p.cumsum(-1)                                                     # (B, V)
+        u = torch.rand(p.shape[0], 1, generator=gen, device=p.device) * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=p.shape[-1] - 1)
     tok = torch.where(torch.isfinite(logp.gather(-1, tok[:, None])[:, 0]), tok, logp.argmax(-1))  # never a -inf token
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 

@@ -61,20 +61,22 @@ def test_sampled_logprobs_equal_model_log_softmax(models, temperature):
         assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4), (s.logprobs, ref)
 
 
+@pytest.mark.parametrize("race", [True, False])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
-def test_sampler_draws_from_the_distribution_it_reports(temperature, top_k):
-    """40000 draws from one row of logits: token frequencies match exp(logprob) within 5 standard errors (a biased
-    sampler, e.g. argmax of p * e instead of p / e, is off by far more), and every draw's logprob is its token's."""
+def test_sampler_draws_from_the_distribution_it_reports(temperature, top_k, race):
+    """40000 draws from one row of logits, by the exponential race and by the inverse CDF: token frequencies match
+    exp(logprob) within 5 standard errors (a biased sampler, e.g. argmax of p * e instead of p / e, is off by far
+    more), and every draw's logprob is its token's."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=DEV).repeat(40000, 1)  # (draws, V)
     gen = torch.Generator(device=DEV).manual_seed(0)
-    tok, lp = R.sample_tokens(logits, temperature, 1.0, top_k, gen)
+    tok, lp = R.sample_tokens(logits, temperature, 1.0, top_k, gen, race=race)
     z = logits[0] / temperature
     if top_k:
         z = z.masked_fill(z < z.topk(top_k).values[-1], float("-inf"))
     p = torch.softmax(z, -1)                                                   # (V,)
     freq = torch.bincount(tok, minlength=6).float() / tok.numel()
     se = (p * (1 - p) / tok.numel()).sqrt()
-    print(f"sampler T={temperature} top_k={top_k}: freq {freq.tolist()} vs p {p.tolist()}")
+    print(f"sampler race={race} T={temperature} top_k={top_k}: freq {freq.tolist()} vs p {p.tolist()}")
     assert ((freq - p).abs() <= 5 * se + 1e-9).all()
     assert torch.allclose(lp, p.log()[tok])
 
