@@ -276,7 +276,7 @@ class Model(nn.Module):
         return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
 
     def forward(self, ids, positions, mask, cache: KVCache | None = None, slots=None, kv_len: int | None = None):
-        """ids, positions (B, T); mask (B, 1, T, S) bool -> final hidden states (B, T, H), normed.
+        """ids, positions (B, T); mask (B, 1, T, S) bool or additive -> final hidden states (B, T, H), normed.
 
         With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
         h, d = self.model.embed_tokens(ids), None                              # (B, T, H); hidden = h + d

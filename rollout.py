@@ -81,7 +81,8 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
     logp = torch.log_softmax(z, -1)                                            # (B, V)
     p = logp.exp()
-    if logits.is_cuda if race is None else race:
+    race = logits.is_cuda if race is None else race
+    if race:
         tok = (p / torch.empty_like(p).exponential_(generator=gen)).argmax(-1)
     else:
         cdf = p.cumsum(-1)                                                     # (B, V)
