@@ -144,7 +144,7 @@ def bench_dgrad(out: dict):
 
 
 def bench_rmsnorm(out: dict):
-    import kernels
+    import ops
 
     rows = []
     M = 16384
@@ -153,15 +153,15 @@ def bench_rmsnorm(out: dict):
         r = torch.randn_like(x)
         w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
         z = torch.randn(H, device="cuda") * 0.01
-        t_f = graph_time_us([lambda: kernels.rms_norm(x, w, 1e-6, z)], reps=5)
-        t_fr = graph_time_us([lambda: kernels.rms_norm(x, w, 1e-6, z, r)], reps=5)
+        t_f = graph_time_us([lambda: ops.rms_norm(x, w, 1e-6, z)], reps=5)
+        t_fr = graph_time_us([lambda: ops.rms_norm(x, w, 1e-6, z, r)], reps=5)
         xg = x.clone().requires_grad_(True)
-        y = kernels.rms_norm(xg, w, 1e-6, z)
+        y = ops.rms_norm(xg, w, 1e-6, z)
         dy = torch.randn_like(y)
         import triton.testing  # autograd cannot be captured in a graph; this kernel is long enough for events
         t_b = 1e3 * triton.testing.do_bench(lambda: torch.autograd.grad(y, xg, dy, retain_graph=True),
                                             return_mode="median")
-        t_ref = graph_time_us([lambda: kernels.rms_norm_ref(x, w, 1e-6, z)], reps=5)
+        t_ref = graph_time_us([lambda: ops.rms_norm_ref(x, w, 1e-6, z)], reps=5)
         nb = M * H * 2
         rows.append(dict(H=H, M=M, fwd_GBps=2 * nb / t_f / 1e3, fwd_res_GBps=4 * nb / t_fr / 1e3,
                          bwd_GBps=3 * nb / t_b / 1e3, fwd_us=t_f, bwd_us=t_b, torch_ref_fwd_us=t_ref))

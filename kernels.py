@@ -1,4 +1,5 @@
-"""kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16) and the noisy RMSNorm, each beside its reference.
+"""kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16), each beside its reference. (The noisy RMSNorm and
+the other decoder ops live in ops.py.)
 
     python bench.py kernels            # speed against torch bf16 on a GPU
     pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
@@ -7,7 +8,6 @@ What is here
   pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   the kernel layout, once at load
   nvfp4_linear(x, w, bias=None)    y = x @ W_hat^T for any number of tokens; autograd gives dX (no dW: frozen)
   dequantize(w)                    W_hat (N, K) in bf16 (the large-M and backward paths use it with torch.matmul)
-  rms_norm(x, weight, eps, noise=None, residual=None)   (residual add +) RMSNorm with weight + noise (AQN)
   *_ref                            plain PyTorch references (used on CPU and by the tests)
 
 How the GEMM works. The H100 has no FP4 tensor cores, so weights are dequantized in registers and multiplied on
@@ -407,117 +407,3 @@ def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = No
     """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the reference."""
     _check_linear(x, w, bias)
     return _NVFP4Linear.apply(x, w, bias)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# RMSNorm with an AQN noise vector: y = bf16(weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF numerics
-
-def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
-    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers), returns (y, h)."""
-    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    w = weight if noise is None else (weight.float() + noise.float()).to(weight.dtype)
-    xf = h.float()
-    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-    y = w * xn
-    return y if residual is None else (y, h)
-
-
-if triton is not None:
-    @triton.jit
-    def _rms_fwd_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, rstd_ptr, H, eps,
-                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
-        if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + row * H + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        if HAS_NOISE:
-            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
-        xn = (xf * rstd).to(x.dtype).to(tl.float32)
-        tl.store(y_ptr + row * H + cols, (w.to(tl.float32) * xn).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(rstd_ptr + row, rstd)
-
-    @triton.jit
-    def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, z_ptr, rstd_ptr, dx_ptr, dw_ptr, M, H, ROWS_PER_PROG,
-                        HAS_DH: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        if HAS_NOISE:
-            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
-        w = w.to(tl.float32)
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(0, ROWS_PER_PROG):
-            row = (pid * ROWS_PER_PROG + i).to(tl.int64)
-            if row < M:
-                xhat = tl.load(h_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(rstd_ptr + row)
-                dy = tl.load(dy_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-                dxhat = dy * w
-                dx = (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / H)) * tl.load(rstd_ptr + row)
-                if HAS_DH:
-                    dx += tl.load(dh_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw += dy * xhat
-        tl.store(dw_ptr + pid * H + cols, dw, mask=mask)
-
-
-def _rms_config(H: int) -> dict:
-    block = triton.next_power_of_2(H)
-    return dict(BLOCK=block, num_warps=max(1, min(16, block // 512)))
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, noise, residual):
-        H = x.shape[-1]
-        x2 = x.reshape(-1, H).contiguous()
-        r2 = residual.reshape(-1, H).contiguous() if residual is not None else None
-        y = torch.empty_like(x2)
-        h = torch.empty_like(x2) if r2 is not None else x2
-        rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
-        z = noise.contiguous() if noise is not None else weight
-        _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd, H, eps,
-                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
-        ctx.save_for_backward(h, weight, noise, rstd)
-        ctx.has_res = residual is not None
-        y = y.reshape(x.shape)
-        return (y, h.reshape(x.shape)) if ctx.has_res else y
-
-    @staticmethod
-    def backward(ctx, dy, dh=None):
-        h, weight, noise, rstd = ctx.saved_tensors
-        H = h.shape[-1]
-        M = h.shape[0]
-        progs = min(M, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2))
-        per = -(-M // progs)
-        dx = torch.empty_like(h)
-        dw = torch.empty(progs, H, dtype=torch.float32, device=h.device)
-        dh2 = dh.reshape(-1, H).contiguous() if dh is not None else None
-        _rms_bwd_kernel[(progs,)](dy.reshape(-1, H).contiguous(), dh2 if dh2 is not None else dx, h, weight,
-                                  noise if noise is not None else weight, rstd, dx, dw, M, H, per,
-                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
-        dx = dx.reshape(dy.shape)
-        dweight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dweight, None, None, (dx if ctx.has_res else None)
-
-
-def rms_norm(x, weight, eps: float, noise=None, residual=None):
-    """Fused (residual add +) RMSNorm whose effective weight is weight + noise. Returns y, or (y, x + residual).
-
-    Triton on CUDA (and under TRITON_INTERPRET=1), the reference otherwise; both are differentiable (dX, dW).
-    """
-    H = x.shape[-1]
-    if weight.shape != (H,) or (noise is not None and noise.shape != (H,)):
-        raise ValueError(f"weight and noise must have shape ({H},), got {tuple(weight.shape)}"
-                         f"{'' if noise is None else ' and ' + str(tuple(noise.shape))}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-    if not _use_triton(x):
-        return rms_norm_ref(x, weight, eps, noise, residual)
-    return _RMSNorm.apply(x, weight, eps, noise, residual)

@@ -5,7 +5,7 @@
 One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4 checkpoint
 (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
 runs full sequences (training, scoring; optional per-layer gradient checkpointing) or writes/reads a KV cache
-(the rollout engine) through the same layer code. Norms run through kernels.rms_norm with the AQN noise of
+(the rollout engine) through the same layer code. Norms run through ops.rms_norm with the AQN noise of
 `model.noise` ((layers, 2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up). `token_logprobs` scores given
 tokens chunk by chunk, so the (tokens, 152k) fp32 logits never exist at once.
 
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import kernels  # noqa: E402
 import quantize  # noqa: E402
-from ops import apply_rope, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
+from ops import apply_rope, rms_norm, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -205,14 +205,14 @@ class Layer(nn.Module):
         cfg, a, m = self.cfg, self.self_attn, self.mlp
         z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
         if d is None:
-            x = kernels.rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
+            x = rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
         else:
-            x, h = kernels.rms_norm(d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], residual=h)
+            x, h = rms_norm(d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], residual=h)
         q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x)
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = kernels.rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), kernels.rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
+            q, k = rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
         if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel; read kv_len slots
             q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
             k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
@@ -221,7 +221,7 @@ class Layer(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
-        x, h = kernels.rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
+        x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         gate, up = project(m, ("gate_proj", "up_proj"), x)
         return h, m.down_proj(silu_mul(gate, up))
 
@@ -289,7 +289,7 @@ class Model(nn.Module):
                 h, d = checkpoint(layer, h if d is None else h + d, None, *args, use_reentrant=False)  # saves one
             else:
                 h, d = layer(h, d, *args)
-        return kernels.rms_norm(d, self.model.norm.weight, self.cfg.rms_norm_eps, residual=h)[0]
+        return rms_norm(d, self.model.norm.weight, self.cfg.rms_norm_eps, residual=h)[0]
 
     def logits(self, h):                                                       # (..., H) -> (..., V)
         return F.linear(h, self.lm_weight())

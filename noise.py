@@ -3,7 +3,7 @@
     python noise.py --total-steps 100                     # print the sigma schedule
 
 For the norm that feeds q/k/v (input_layernorm) and the one that feeds gate/up (post_attention_layernorm) of every
-layer, a fresh z ~ N(0, sigma^2 I) of size hidden enters kernels.rms_norm as `noise`: the norm uses weight + z, which
+layer, a fresh z ~ N(0, sigma^2 I) of size hidden enters ops.rms_norm as `noise`: the norm uses weight + z, which
 is multiplicative noise (1 + z / w) on the next linear's input channels at no GEMM cost. The stored weights are never
 touched (nothing accumulates across steps). Schedule over K equal stages of training: stage 0 has sigma = 0 (the
 quantization noise alone), stage k >= 1 has sigma_start * (sigma_end / sigma_start) ** ((k - 1) / (K - 1)).

@@ -18,7 +18,7 @@ How vLLM runs our pieces (public extension points only, nothing in the installed
 - AQN: vLLM's `model.layers[i].input_layernorm` (feeds qkv_proj; layer 0 calls it without a residual, the others
   with one) and `.post_attention_layernorm` (feeds gate_up_proj; always with a residual) are reached with
   LLM.apply_model. set_noise writes weight = clean + z (rounded to the weight's dtype) in place from a clean copy
-  kept on first use, so noise never accumulates; that is exactly kernels.rms_norm's effective weight, and in-place
+  kept on first use, so noise never accumulates; that is exactly ops.rms_norm's effective weight, and in-place
   writes are also seen by vLLM's own norm kernels (and by captured graphs, unlike a replaced forward). The prefix
   cache is reset, since its cached keys/values saw the old noise.
 - LoRA: sync_lora writes the adapter (lora.save_adapter, PEFT format) to a temp folder and registers it under a fresh
