@@ -68,13 +68,17 @@ def save_tiny_checkpoint(path, arch: str = "qwen2", dtype=torch.bfloat16, shards
     model = build_tiny_hf(arch, seed, dtype, **overrides)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(path, max_shard_size=f"{max(1, total // shards // 1000 + 1)}KB" if shards > 1 else "10GB")
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy2(f, path / f.name)
+    copy_tokenizer(path)
     return path
 
 
+def copy_tokenizer(path: Path) -> None:
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy2(f, path / f.name)
+
 
 def tiny_model_dir(seed: int = 0) -> Path:
+    """train.py's built-in model: a tiny Qwen2 warmed up on the answer format, built once and cached (atomically)."""
     out = Path(os.environ.get("NANOQERL_CACHE", Path(__file__).resolve().parent / "runs" / ".cache")) / f"tiny-synthetic-{seed}"
     if (out / "config.json").exists():
         return out
@@ -102,8 +106,7 @@ def tiny_model_dir(seed: int = 0) -> Path:
         opt_.step()
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent if out.parent.exists() else None))
     hf.to(torch.bfloat16).save_pretrained(tmp)
-    for f in TOKENIZER_DIR.iterdir():
-        shutil.copy2(f, tmp / f.name)
+    copy_tokenizer(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(out)
