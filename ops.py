@@ -186,17 +186,18 @@ if triton is not None:
             w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
         w = w.to(tl.float32)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(0, ROWS_PER_PROG):
+        for i in tl.range(0, ROWS_PER_PROG, num_stages=3):  # masked, not branched: the loads of later rows go ahead
             row = (pid * ROWS_PER_PROG + i).to(tl.int64)
-            if row < M:
-                xhat = tl.load(h_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(rstd_ptr + row)
-                dy = tl.load(dy_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-                dxhat = dy * w
-                dx = (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / H)) * tl.load(rstd_ptr + row)
-                if HAS_DH:
-                    dx += tl.load(dh_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw += dy * xhat
+            rm = mask & (row < M)
+            rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
+            xhat = tl.load(h_ptr + row * H + cols, mask=rm, other=0.0).to(tl.float32) * rstd
+            dy = tl.load(dy_ptr + row * H + cols, mask=rm, other=0.0).to(tl.float32)
+            dxhat = dy * w
+            dx = (dxhat - xhat * (tl.sum(dxhat * xhat, axis=0) / H)) * rstd
+            if HAS_DH:
+                dx += tl.load(dh_ptr + row * H + cols, mask=rm, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + row * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=rm)
+            dw += dy * xhat
         tl.store(dw_ptr + pid * H + cols, dw, mask=mask)
 
 
@@ -227,7 +228,7 @@ class _RMSNorm(torch.autograd.Function):
         h, weight, noise, rstd = ctx.saved_tensors
         H = h.shape[-1]
         M = h.shape[0]
-        progs = min(M, 4 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2))
+        progs = min(M, 2 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2))
         per = -(-M // progs)
         dx = torch.empty_like(h)
         dw = torch.empty(progs, H, dtype=torch.float32, device=h.device)
