@@ -389,7 +389,7 @@ class _NVFP4Linear(torch.autograd.Function):
             y = torch.nn.functional.linear(x2, dequantize(w), bias)
         else:
             y = nvfp4_mm(x2.contiguous(), w, bias)
-        return y.reshape(*x.shape[:-1], w.n)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.n)  # 2-D: not a view (LoRA adds in place)
 
     @staticmethod
     def backward(ctx, dy):

@@ -56,6 +56,51 @@ def add_lora(model, rank: int = 32, alpha: float = 64.0, dropout: float = 0.0, t
     return params
 
 
+def group_ab(lins, pads, dtype):
+    """The adapters of a fused group (or of one linear) as ONE product: A (R, in) stacks the members' A; B (rows, R)
+    is block-diagonal with each member's B * scale, zero rows for the base's padding rows (pads: rows per member).
+    Members without an active adapter add nothing. Differentiable. Returns None when no member has one."""
+    on = [lin.lora_A is not None and lin.lora_on for lin in lins]
+    if not any(on):
+        return None
+    A = torch.cat([lin.lora_A for lin, o in zip(lins, on) if o]).to(dtype)          # (R, in)
+    R, roff, blocks = A.shape[0], 0, []
+    for lin, p, o in zip(lins, pads, on):
+        r = lin.lora_A.shape[0] if o else 0
+        b = lin.lora_B * lin.lora_scale if o else A.new_zeros(lin.out_features, 0)  # (out, r)
+        blocks.append(torch.nn.functional.pad(b, (roff, R - roff - r, 0, p - lin.out_features)))
+        roff += r
+    return A, torch.cat(blocks).to(dtype)                                           # (rows, R)
+
+
+class _AddLoRA(torch.autograd.Function):
+    """y += (x @ A^T) @ B^T in place: one GEMM accumulating into the base output (beta = 1, rounded once), so the
+    adapter makes no (tokens, rows) temporaries. Backward: dy passes through to the base; dx = (dy @ B) @ A,
+    dA = (dy @ B)^T @ x, dB = dy^T @ (x @ A^T)."""
+
+    @staticmethod
+    def forward(ctx, y, x, A, B):                                    # y (M, N) not a view, x (M, K), A (R, K), B (N, R)
+        xa = x @ A.t()                                               # (M, R)
+        y.addmm_(xa, B.t())
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(x, A, B, xa)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, A, B, xa = ctx.saved_tensors
+        dxa = dy @ B                                                 # (M, R)
+        dx = dxa @ A if ctx.needs_input_grad[1] else None
+        dA = dxa.t() @ x if ctx.needs_input_grad[2] else None
+        dB = dy.t() @ xa if ctx.needs_input_grad[3] else None
+        return dy, dx, dA, dB
+
+
+def add_term(y, x, ab):
+    """y (M, N) + x (M, K) @ A^T @ B^T for ab = group_ab(...) (None: y). y must be a fresh tensor, not a view."""
+    return y if ab is None else _AddLoRA.apply(y, x, *ab)
+
+
 def lora_parameters(model) -> list[nn.Parameter]:
     return [p for _, lin in model.linears() if lin.lora_A is not None for p in (lin.lora_A, lin.lora_B)]
 
@@ -188,7 +233,7 @@ def export_merged(model, src_dir, out_dir) -> Path:
 
 @torch.no_grad()
 def snapshot(model, old: dict | None = None) -> dict:
-    """For generation only: per fused group (and per unfused linear) whose members all have an active adapter, one
+    """For generation only: per fused group (and per unfused linear) where some member has an active adapter, one
     A (sum of ranks, in) and one block-diagonal B (rows, sum of ranks) with the LoRA scale folded in, in the model's
     dtype: the adapter then costs two GEMMs per group instead of two casts, two GEMMs, a scale and an add per member.
     Returns {module: (A, B)}; refreshed in place when `old` has the same shapes (CUDA graphs keep their pointers)."""
@@ -198,17 +243,10 @@ def snapshot(model, old: dict | None = None) -> dict:
                               (layer.mlp, ("gate_proj", "up_proj")), (layer.mlp, ("down_proj",))):
             lins = [getattr(parent, n) for n in names]
             mod = lins[0] if len(lins) == 1 else getattr(parent, "fused", None)
-            if mod is None or not all(lin.lora_A is not None and lin.lora_on for lin in lins):
+            if mod is None or not any(lin.lora_A is not None and lin.lora_on for lin in lins):
                 continue
             pads = mod.pads if len(lins) > 1 else [lins[0].out_features]
-            dt = model.model.embed_tokens.weight.dtype
-            A = torch.cat([lin.lora_A for lin in lins]).to(dt)                  # (R, in)
-            B = torch.zeros(sum(pads), A.shape[0], dtype=dt, device=A.device)   # (rows, R)
-            off = roff = 0
-            for lin, p in zip(lins, pads):
-                r = lin.lora_A.shape[0]
-                B[off:off + lin.out_features, roff:roff + r] = lin.lora_B * lin.lora_scale
-                off, roff = off + p, roff + r
+            A, B = group_ab(lins, pads, model.model.embed_tokens.weight.dtype)   # (R, in), (rows, R)
             prev = (old or {}).get(mod)
             if prev is not None and prev[0].shape == A.shape and prev[1].shape == B.shape:
                 prev[0].copy_(A)

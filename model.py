@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import kernels  # noqa: E402
+import lora  # noqa: E402
 import quantize  # noqa: E402
 from ops import apply_rope, rms_norm, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
 
@@ -90,14 +91,29 @@ class Linear(nn.Module):
         return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
 
     def forward(self, x):                                                     # (..., in) -> (..., out)
-        y = base_linear(self, x, self.qweight() if self.words is not None else None)
-        return y if self.snap is not None else self.add_lora(x, y)
+        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
+        y = base_linear(self, x2, self.qweight() if self.words is not None else None)
+        if self.snap is None:
+            y = lora_term([self], [self.out_features], x2, y, self.training)
+        return y.view(*x.shape[:-1], -1)
 
-    def add_lora(self, x, y):
-        if self.lora_A is not None and self.lora_on:
-            h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-            y = y + (h @ self.lora_A.t().to(x.dtype)) @ self.lora_B.t().to(x.dtype) * self.lora_scale
-        return y
+
+def lora_term(lins, pads, x2, y, training):
+    """y (M, rows) + the LoRA term of lins (one linear, or the members of a fused group with their row counts): one
+    A and one block-diagonal B for the whole group (lora.group_ab), accumulated into y in place. With dropout while
+    training, each member draws its own mask, as PEFT does (one member at a time, out of place)."""
+    if not any(lin.lora_A is not None and lin.lora_on and lin.lora_dropout and training for lin in lins):
+        return lora.add_term(y, x2, lora.group_ab(lins, pads, x2.dtype))
+    outs, off = [], 0
+    for lin, p in zip(lins, pads):
+        o = y[:, off:off + p]
+        if lin.lora_A is not None and lin.lora_on:
+            h = F.dropout(x2, lin.lora_dropout, training)
+            o = o + F.pad((h @ lin.lora_A.t().to(x2.dtype)) @ lin.lora_B.t().to(x2.dtype) * lin.lora_scale,
+                          (0, p - lin.out_features))
+        outs.append(o)
+        off += p
+    return torch.cat(outs, 1)
 
 
 def base_linear(mod, x, qw):
@@ -148,10 +164,13 @@ class Fused(nn.Module):
     def forward(self, x, lins):                                               # -> one output per member
         qw = kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features) \
             if self.words is not None else None
-        y, outs, off = base_linear(self, x, qw), [], 0
+        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
+        y = base_linear(self, x2, qw)                                         # (M, rows)
+        if self.snap is None:
+            y = lora_term(lins, self.pads, x2, y, self.training)
+        y, outs, off = y.view(*x.shape[:-1], -1), [], 0
         for lin, p in zip(lins, self.pads):
-            outs.append(y[..., off:off + lin.out_features] if self.snap is not None else
-                        lin.add_lora(x, y[..., off:off + lin.out_features]))
+            outs.append(y[..., off:off + lin.out_features])
             off += p
         return outs
 

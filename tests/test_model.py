@@ -165,6 +165,37 @@ def test_lora_grads_reach_only_a_and_b_and_match_reference(make_checkpoint, tmp_
         assert torch.allclose(lin.lora_B.grad, ref.lora_B["default"].weight.grad, rtol=1e-3, atol=1e-5), name
 
 
+def test_lora_dropout_draws_one_mask_per_member_in_training_only(make_checkpoint):
+    """The fused q/k/v group with LoRA dropout: in training each member gets its own mask (as PEFT), in eval none."""
+    m = M.Model.from_pretrained(make_checkpoint("qwen2", dtype=torch.float32), dtype=torch.float32)
+    lora.add_lora(m, rank=4, alpha=8, dropout=0.5)
+    with torch.no_grad():
+        for p in lora.lora_parameters(m)[1::2]:
+            p.normal_(0, 0.05)
+    a, names = m.model.layers[0].self_attn, ("q_proj", "k_proj", "v_proj")
+    x = torch.randn(2, 3, m.cfg.hidden_size)
+    x2, lins = x.reshape(6, -1), [getattr(a, n) for n in names]
+
+    def expected(drop):
+        outs = []
+        for lin in lins:
+            h = torch.nn.functional.dropout(x2, 0.5, True) if drop else x2
+            y = x2 @ lin.weight.t() + lin.bias + (h @ lin.lora_A.t()) @ lin.lora_B.t() * lin.lora_scale
+            outs.append(y.view(2, 3, -1))
+        return outs
+
+    for train_mode in (True, False):
+        m.train(train_mode)
+        torch.manual_seed(0)
+        got = M.project(a, names, x)
+        torch.manual_seed(0)
+        for g, e in zip(got, expected(train_mode)):
+            assert torch.allclose(g, e, atol=1e-5)
+    m.train()
+    torch.manual_seed(1)
+    assert not torch.allclose(M.project(a, names, x)[0], expected(True)[0], atol=1e-3)  # the mask is really drawn
+
+
 def test_adapter_saved_by_us_loads_in_peft_and_back(make_checkpoint, tmp_path):
     from peft import PeftModel
     src = make_checkpoint("llama", dtype=torch.float32)
