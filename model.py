@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 import kernels  # noqa: E402
 import lora  # noqa: E402
 import quantize  # noqa: E402
-from ops import apply_rope, rms_norm, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
+from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -161,7 +161,7 @@ class Fused(nn.Module):
                 lin.weight = self.weight[off:off + p]
             off += p
 
-    def forward(self, x, lins):                                               # -> one output per member
+    def forward(self, x, lins, raw: bool = False):                            # -> one output per member
         qw = kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features) \
             if self.words is not None else None
         x2 = x.reshape(-1, self.in_features)                                  # (M, in)
@@ -169,6 +169,8 @@ class Fused(nn.Module):
         if self.snap is None:
             y = lora_term(lins, self.pads, x2, y, self.training)
         y, outs, off = y.view(*x.shape[:-1], -1), [], 0
+        if raw:                                                               # (..., rows), members at self.pads
+            return y
         for lin, p in zip(lins, self.pads):
             outs.append(y[..., off:off + lin.out_features])
             off += p
@@ -237,12 +239,12 @@ class Layer(nn.Module):
             k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
-        gate, up = project(m, ("gate_proj", "up_proj"), x)
-        return h, m.down_proj(silu_mul(gate, up))
+        gu = gate_up(m, x)                                                    # (B, T, rows): gate, then up
+        return h, m.down_proj(silu_mul(gu, cfg.intermediate_size, gu.shape[-1] // 2))
 
 
 def project(mod, names, x):
@@ -250,6 +252,15 @@ def project(mod, names, x):
     lins = [getattr(mod, n) for n in names]
     fused = getattr(mod, "fused", None)
     return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
+
+
+def gate_up(mlp, x):
+    """gate and up side by side (..., 2 * rows) for silu_mul: the fused output as it is (both members padded alike),
+    or the two outputs concatenated."""
+    fused = getattr(mlp, "fused", None)
+    if fused is not None:
+        return fused(x, [mlp.gate_proj, mlp.up_proj], raw=True)
+    return torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
 
 
 class KVCache:

@@ -1,8 +1,8 @@
 """ops.py: the decoder's ops beside the NVFP4 GEMM (kernels.py), each Triton kernel beside its PyTorch reference:
   rms_norm(x, weight, eps, noise=None, residual=None)   (residual add +) RMSNorm with weight + noise (AQN), fwd + bwd
-  rope_cos_sin / apply_rope    rotary position embeddings with HF's numerics
+  rope_cos_sin / apply_rope    rotary position embeddings with HF's numerics; rope(x, cos, sin) the same, fwd + bwd
   rope_cache(q, k, v, ...)     rotate q and k and write k and v to the KV cache during generation, one launch
-  silu_mul(gate, up)           the MLP's SiLU(gate) * up in one pass
+  silu_mul(gu, n, up_off)      the MLP's SiLU(gate) * up from the fused gate_up output, fwd + bwd
 
     pytest tests/test_kernels.py -k "rms or rope or silu"     # kernels against references (CPU: TRITON_INTERPRET=1)
 
@@ -45,8 +45,66 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype):
 
 
 def apply_rope(x, cos, sin):
+    """Reference (HF's op-by-op numerics): x (B, heads, T, D), cos / sin (B, 1, T, D)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+if triton is not None:
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, HEADS, sxb, sxh, sxt, scb, sct, syb, syh, syt,
+                     BACKWARD: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
+        bt, hb = tl.program_id(0), tl.program_id(1)           # (token, HB heads) per program
+        b, t = (bt // T).to(tl.int64), bt % T
+        h = (hb * HB + tl.arange(0, HB))[:, None]             # (HB, 1)
+        i = tl.arange(0, HALF)[None, :]                       # (1, HALF)
+        hm = h < HEADS
+        dt = y_ptr.dtype.element_ty
+        src, dst = x_ptr + b * sxb + t * sxt + h * sxh, y_ptr + b * syb + t * syt + h * syh
+        x1, x2 = tl.load(src + i, mask=hm).to(tl.float32), tl.load(src + HALF + i, mask=hm).to(tl.float32)
+        cb, sb = cos_ptr + b * scb + t * sct, sin_ptr + b * scb + t * sct
+        c1, c2 = tl.load(cb + i).to(tl.float32), tl.load(cb + HALF + i).to(tl.float32)
+        s1, s2 = tl.load(sb + i).to(tl.float32), tl.load(sb + HALF + i).to(tl.float32)
+        if BACKWARD:  # the transpose of the rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+            o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
+            o2 = (x2 * c2).to(dt).to(tl.float32) + (-(x1 * s1)).to(dt).to(tl.float32)
+        else:         # products rounded to the dtype as in the op-by-op reference
+            o1 = (x1 * c1).to(dt).to(tl.float32) + (-(x2 * s1)).to(dt).to(tl.float32)
+            o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        tl.store(dst + i, o1.to(dt), mask=hm)
+        tl.store(dst + HALF + i, o2.to(dt), mask=hm)
+
+
+def _rope_launch(x, cos, sin, backward: bool):
+    B, Hh, T, D = x.shape
+    y = torch.empty(B, T, Hh, D, dtype=x.dtype, device=x.device).transpose(1, 2)   # (B, heads, T, D), token-major
+    hb = min(8, triton.next_power_of_2(Hh))
+    _rope_kernel[(B * T, triton.cdiv(Hh, hb))](x, cos, sin, y, T, Hh, x.stride(0), x.stride(1), x.stride(2),
+                                               cos.stride(0), cos.stride(2), y.stride(0), y.stride(1), y.stride(2),
+                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(dy, cos, sin, True), None, None
+
+
+def rope(x, cos, sin):
+    """apply_rope in one launch per tensor, forward and backward (Triton on CUDA and under TRITON_INTERPRET=1):
+    x (B, heads, T, D) any strides with unit stride in D, cos / sin (B, 1, T, D); for the training forward."""
+    half = x.shape[-1] // 2
+    if not (_use_triton(x) and half & (half - 1) == 0 and x.stride(-1) == 1 and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and x.dtype == cos.dtype and not cos.requires_grad):
+        return apply_rope(x, cos, sin)
+    return _Rope.apply(x, cos, sin)
 
 
 
@@ -113,33 +171,63 @@ def rope_cache(q, k, v, cos, sin, cache_k, cache_v, slots):
 # ----------------------------------------------------------------------------------------------------------------
 # SiLU(gate) * up in one pass (the MLP between gate_up and down), rounded like torch's two ops
 
-def silu_mul_ref(gate, up):
-    return torch.nn.functional.silu(gate) * up
+def silu_mul_ref(gu, n: int, up_off: int):
+    """Reference: silu(gate) * up for gu (..., W) holding gate in columns [0, n) and up in [up_off, up_off + n)."""
+    return torch.nn.functional.silu(gu[..., :n]) * gu[..., up_off:up_off + n]
 
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, dy_ptr, y_ptr, N, UP, stride_gu, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        g = tl.load(g_ptr + row * stride_g + cols, mask=cols < N, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + row * stride_u + cols, mask=cols < N, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty).to(tl.float32)       # silu, rounded as torch does
-        tl.store(y_ptr + row * N + cols, (s * u).to(y_ptr.dtype.element_ty), mask=cols < N)
+        m = cols < N
+        dt = y_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + UP + cols, mask=m, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)                      # silu, rounded as torch does
+        if BACKWARD:  # y (rows, W) receives d gate and d up at the columns of gate and up, rounded like torch's ops
+            dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
+            ds = (dy * u).to(dt).to(tl.float32)
+            tl.store(y_ptr + row * stride_gu + cols, (ds * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=m)
+            tl.store(y_ptr + row * stride_gu + UP + cols, (dy * s).to(dt), mask=m)
+        else:
+            tl.store(y_ptr + row * N + cols, (s * u).to(dt), mask=m)
 
 
-def silu_mul(gate, up):
-    """silu(gate) * up for (..., N) views (e.g. the two halves of a fused gate_up output). One Triton kernel for
-    inference; with autograd on (training) the two torch ops, whose backward torch provides."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gate and up must match, got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
-    if not _use_triton(gate) or (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
-        return silu_mul_ref(gate, up)
-    N = gate.shape[-1]
-    g2, u2 = gate.reshape(-1, N), up.reshape(-1, N)                              # views when rows are evenly strided
-    g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
-    y = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)              # (rows, N)
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(N, 1024))](g2, u2, y, N, g2.stride(0), u2.stride(0), BLOCK=1024)
-    return y.view(gate.shape)
+def _silu_mul_launch(gu2, n, up_off, dy2=None):
+    rows, W = gu2.shape
+    y = torch.empty(rows, n, dtype=gu2.dtype, device=gu2.device) if dy2 is None else \
+        (torch.empty_like(gu2) if W == 2 * n and up_off == n else torch.zeros_like(gu2))   # padding columns: 0
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gu2, dy2 if dy2 is not None else gu2, y, n, up_off, gu2.stride(0),
+                                                   BACKWARD=dy2 is not None, BLOCK=1024)
+    return y
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gu2, n, up_off):
+        ctx.save_for_backward(gu2)
+        ctx.n, ctx.up_off = n, up_off
+        return _silu_mul_launch(gu2, n, up_off)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gu2,) = ctx.saved_tensors
+        return _silu_mul_launch(gu2, ctx.n, ctx.up_off, dy.contiguous()), None, None
+
+
+def silu_mul(gu, n: int, up_off: int):
+    """silu(gate) * up (..., n) from the fused gate_up output gu (..., W): gate in columns [0, n), up in
+    [up_off, up_off + n). One Triton kernel forward and one backward, whose gradient is one (..., W) tensor, so
+    autograd makes no per-half zero-filled copies."""
+    if not (0 < n <= up_off and up_off + n <= gu.shape[-1]):
+        raise ValueError(f"gate [0, {n}) and up [{up_off}, {up_off + n}) must be disjoint columns of gu (width {gu.shape[-1]})")
+    if not _use_triton(gu):
+        return silu_mul_ref(gu, n, up_off)
+    gu2 = gu.reshape(-1, gu.shape[-1])                                             # (rows, W)
+    gu2 = gu2 if gu2.stride(-1) == 1 else gu2.contiguous()
+    return _SiluMul.apply(gu2, n, up_off).view(*gu.shape[:-1], n)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -209,26 +209,33 @@ def test_rms_norm_backward(device, with_noise, with_res, M, H):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1, 40), (2, 3, 1100)])
-def test_silu_mul_matches_reference(device, dtype, shape):
-    """gate and up as the two halves of a padded fused gate_up output (strided views), as the MLP passes them. The
-    kernel rounds silu to the input dtype before the product, as torch does; exp may differ from torch's in the last
-    fp32 bit, which can move a bf16 rounding by one ulp (two roundings: 2 * 2^-7 relative; the interpreter
-    truncates instead of rounding: 2 * 2^-6). fp32: 1e-6 relative."""
+@pytest.mark.parametrize("shape,pad", [((1, 1, 40), 24), ((2, 3, 1100), 24), ((3, 64), 0)])
+def test_silu_mul_matches_reference(device, dtype, shape, pad):
+    """gate and up as the two halves of a (padded) fused gate_up output, as the MLP passes it; forward and backward
+    against autograd on the reference. The kernel rounds where torch's ops round (silu, then the product; backward:
+    dy * up, then the silu derivative, and dy * silu); exp may differ from torch's in the last fp32 bit, which can
+    move a bf16 rounding by one ulp (two roundings: 2 * 2^-7 relative; the interpreter truncates instead of
+    rounding: 2 * 2^-6). fp32: 1e-6 relative. The padding columns get a zero gradient."""
     g = torch.Generator().manual_seed(shape[-1])
     N = shape[-1]
-    y = (4 * torch.randn(*shape[:-1], 2 * N + 24, generator=g)).to(device, dtype)   # (B, T, 2 N + pad)
-    gate, up = y[..., :N], y[..., N + 24:]
-    got, ref = ops.silu_mul(gate, up), ops.silu_mul_ref(gate, up)
-    assert got.shape == gate.shape and got.dtype == dtype and got.is_contiguous()
+    y = (4 * torch.randn(*shape[:-1], 2 * N + pad, generator=g)).to(device, dtype)   # (..., 2 N + pad)
+    dy = torch.randn(*shape, generator=g).to(device, dtype)
     rel = (2 * 2.0 ** -7 if device == "cuda" else 2 * 2.0 ** -6) if dtype == torch.bfloat16 else 1e-6
-    err = (got.float() - ref.float()).abs()
-    print(f"silu_mul {device} {dtype} {shape}: max |kernel - reference| {err.max().item():.3g}")
-    assert (err <= rel * ref.float().abs() + 1e-6).all()
-    gate.requires_grad_(True)  # with autograd on, the differentiable torch ops run
-    assert ops.silu_mul(gate, up).grad_fn is not None
-    with pytest.raises(ValueError, match="must match"):
-        ops.silu_mul(gate, up[..., :-1])
+    outs = []
+    for fn in (ops.silu_mul, ops.silu_mul_ref):
+        gu = y.clone().requires_grad_(True)
+        out = fn(gu, N, N + pad)
+        (out.float() * dy.float()).sum().backward()
+        outs.append((out.detach(), gu.grad))
+    (got, dgot), (ref, dref) = outs
+    assert got.shape == tuple(shape) and got.dtype == dtype and got.is_contiguous()
+    for a, b, what in ((got, ref, "forward"), (dgot, dref, "backward")):
+        err = (a.float() - b.float()).abs()
+        print(f"silu_mul {what} {device} {dtype} {shape}: max |kernel - reference| {err.max().item():.3g}")
+        assert (err <= rel * b.float().abs() + 1e-6).all(), what
+    assert (dgot[..., N:N + pad] == 0).all()
+    with pytest.raises(ValueError, match="disjoint"):
+        ops.silu_mul(y, N, N - 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -266,6 +273,33 @@ def test_rope_cache_matches_reference(device, dtype, T, separate):
     others = torch.ones(S, dtype=torch.bool)
     others[slots.cpu()] = False
     assert torch.equal(caches[1][:, :, :, others.to(device)], cache0[:, :, :, others.to(device)])  # nothing else
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [3, 12])
+def test_rope_forward_and_backward_match_reference(device, dtype, heads):
+    """ops.rope (the training path) against apply_rope under autograd: q as a transposed view of a padded fused
+    output, heads fewer and more than a program's block of 8, real positions. Tolerances as in the test above."""
+    g = torch.Generator().manual_seed(heads)
+    B, T, D = 2, 5, 16
+    y = torch.randn(B, T, heads * D + 8, generator=g).to(device, dtype)
+    pos = torch.randint(0, 1000, (B, T), generator=g).float()
+    emb = pos[..., None] * (1e4 ** -(torch.arange(0, D, 2) / D))
+    cos, sin = (torch.cat((emb, emb), -1).cos()[:, None].to(device, dtype),
+                torch.cat((emb, emb), -1).sin()[:, None].to(device, dtype))          # (B, 1, T, D)
+    dy = torch.randn(B, heads, T, D, generator=g).to(device, dtype)
+    outs = []
+    for fn in (ops.rope, ops.apply_rope):
+        x = y[..., :heads * D].detach().clone().requires_grad_(True)
+        out = fn(x.view(B, T, heads, D).transpose(1, 2), cos, sin)             # (B, heads, T, D)
+        (out.float() * dy.float()).sum().backward()
+        outs.append((out.detach(), x.grad.view(B, T, heads, D).transpose(1, 2)))
+    assert outs[0][0].shape == (B, heads, T, D)
+    for a, b in zip(outs[0], outs[1]):
+        big = max(t.abs().max().item() for t in (y, dy))
+        tol = dict(rtol=0, atol=3 * 2.0 ** -7 * big if dtype == torch.bfloat16 else 1e-6)
+        torch.testing.assert_close(a, b, **tol)
 
 
 # ----------------------------------------------------------------------------------------------------------------
