@@ -2,6 +2,8 @@
 
     python bench.py kernels                 # NVFP4 GEMM vs torch bf16 at the Qwen2.5-7B linear shapes, dgrad, RMSNorm
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
+    python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
+    python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight with as many bytes as the NVFP4 one (9/32 of the rows):
 the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound").
@@ -335,90 +337,60 @@ def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8,
     out.setdefault("rl_step", []).extend(rows)
 
 
-def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute) -> dict:
-    import grpo
+def _rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute):
     import lora
     import rollout
-    import train
 
     m = random_model(size, base == "nvfp4")
     params = lora.add_lora(m, 32, 64)
     m.grad_checkpoint = recompute
-    opt_ = torch.optim.AdamW(params, lr=1e-5)
     eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
-    P = torch.randint(0, 150000, (prompts, prompt_len)).tolist()
+    return m, torch.optim.AdamW(params, lr=1e-5), eng, torch.randint(0, 150000, (prompts, prompt_len)).tolist()
+
+
+def _rl_batch(eng, P, group, new_tokens, seed):
+    import grpo
+    import train
+
+    samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=seed)
+    groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(len(P))]
+    return train.make_batch(groups, grpo.group_advantages(torch.rand(len(P), group)), torch.device("cuda"))
+
+
+def _train_half(m, opt_, b):
+    """The trainer's share of an RL step: log-probs of the rollout policy, then 2 minibatch updates (micro-batches of 8)."""
+    import grpo
+    import train
+
+    S = b["ids"].shape[0]
+    with torch.no_grad():
+        old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
+    m.train()
+    for mb in torch.arange(S, device="cuda").chunk(2):
+        for c in mb.split(8):
+            lp, _ = train.policy_logprobs(m, b, c, 1.0)
+            loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
+                                       num_tokens=b["mask"][mb].sum().item())
+            loss.backward()
+        opt_.step()
+        opt_.zero_grad(set_to_none=True)
+    m.eval()
+
+
+def _rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute) -> dict:
+    m, opt_, eng, P = _rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute)
     for it in range(2):  # the first step includes compilation and graph capture; report the second
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
-        samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=it)
+        b = _rl_batch(eng, P, group, new_tokens, it)
         torch.cuda.synchronize()
         t1 = time.time()
-        groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(prompts)]
-        adv = grpo.group_advantages(torch.rand(prompts, group))
-        b = train.make_batch(groups, adv, torch.device("cuda"))
-        S = b["ids"].shape[0]
-        with torch.no_grad():
-            old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
-        m.train()
-        for mb in torch.arange(S, device="cuda").chunk(2):
-            for c in mb.split(8):
-                lp, _ = train.policy_logprobs(m, b, c, 1.0)
-                loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
-                                           num_tokens=b["mask"][mb].sum().item())
-                loss.backward()
-            opt_.step()
-            opt_.zero_grad(set_to_none=True)
-        m.eval()
+        _train_half(m, opt_, b)
         torch.cuda.synchronize()
         t2 = time.time()
     return dict(size=size, base=base, grad_checkpoint=recompute, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
                 peak_GB=torch.cuda.max_memory_allocated() / 1e9)
-
-
-def run_one(shape: str, M: int, config: str | None, iters: int):
-    """A few plain calls of one GEMM, for profilers: ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1"""
-    import kernels
-
-    N, K = SHAPES_7B[shape]
-    _, (w,) = random_nvfp4(N, K, 1)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    cfg = json.loads(config) if config else None
-    for _ in range(iters):
-        kernels.nvfp4_mm(x, w, config=cfg)
-    torch.cuda.synchronize()
-    print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}")
-
-
-def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_rank: int = 0):
-    """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B; with
-    lora_rank, LoRA of that rank on every linear, as in `bench.py train`)."""
-    import lora
-    import rollout
-    from torch.profiler import ProfilerActivity, profile
-
-    m = random_model(size, True)
-    if lora_rank:
-        lora.add_lora(m, lora_rank, 2 * lora_rank)
-    eng = rollout.Engine(m, max_batch=B, max_len=prompt + 512, cuda_graphs=False)
-    P = torch.randint(0, 150000, (B, prompt)).tolist()
-    eng.generate(P, max_new_tokens=4, stop_token_ids=[])                          # compile
-    eng.generate(P, max_new_tokens=1, stop_token_ids=[])                          # the prefill alone, to subtract
-    with profile(activities=[ProfilerActivity.CUDA]) as p0:
-        eng.generate(P, max_new_tokens=1, stop_token_ids=[])
-    with profile(activities=[ProfilerActivity.CUDA]) as p1:
-        eng.generate(P, max_new_tokens=steps + 1, stop_token_ids=[])
-    t, n = {}, {}
-    for sign, prof in ((-1, p0), (1, p1)):
-        for e in prof.key_averages():
-            if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
-                t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
-                n[e.key] = n.get(e.key, 0) + sign * e.count
-    total, launches = sum(v for v in t.values() if v > 0), sum(v for v in n.values() if v > 0)
-    print(f"{size} NVFP4{f' + LoRA r{lora_rank}' if lora_rank else ''} batch {B}: {total / steps / 1e3:.3f} ms of kernels in {launches / steps:.0f} launches per "
-          f"decode step (eager, {steps} steps)")
-    for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
-        print(f"{v / steps:9.1f} us/step {100 * v / total:5.1f}% {n[k] / steps:6.1f}x  {k[:100]}")
 
 
 def main(argv=None):
@@ -426,7 +398,7 @@ def main(argv=None):
     ap.add_argument("what", choices=["kernels", "model", "rollout", "train", "one", "profile"],
                     help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
                          "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
-                         "decode step (--size, first of --batches)")
+                         "decode step (--size, first of --batches) or of an RL step's train half (--train)")
     ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
@@ -434,6 +406,8 @@ def main(argv=None):
     ap.add_argument("--no-grad-checkpoint", action="store_true",
                     help="with train: keep every layer's activations instead of recomputing them in backward")
     ap.add_argument("--lora-rank", type=int, default=0, help="with profile: LoRA of this rank on every linear")
+    ap.add_argument("--train", default=None, choices=["nvfp4", "bf16"],
+                    help="with profile: the train half of `bench.py train` (this base) instead of a decode step")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
@@ -448,10 +422,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("error: bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.what == "profile":
-        return profile_decode(args.size, int(args.batches.split(",")[0]), lora_rank=args.lora_rank) or 0
-    if args.what == "one":
-        return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
+    if args.what in ("profile", "one"):
+        import bench_profile as bp
+        if args.what == "one":
+            return bp.run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
+        if args.train:
+            return bp.profile_train(args.size, args.train) or 0
+        return bp.profile_decode(args.size, int(args.batches.split(",")[0]), lora_rank=args.lora_rank) or 0
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.what in ("model", "rollout", "train"):
         out["copy_GBps"] = copy_bandwidth()

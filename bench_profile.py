@@ -1,0 +1,82 @@
+"""bench_profile.py: where the time goes, for `python bench.py profile` and `python bench.py one` (needs a CUDA GPU).
+
+    python bench.py profile --batches 1                  # CUDA time per kernel of a 7B NVFP4 decode step at batch 1
+    python bench.py profile --batches 64 --lora-rank 32  # the same with the RL step's LoRA on every linear
+    python bench.py profile --train nvfp4                # the train half of `bench.py train` (or --train bf16)
+    ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
+"""
+import json
+import time
+
+import torch
+
+import bench
+from bench import SHAPES_7B, random_model, random_nvfp4
+
+
+def run_one(shape: str, M: int, config: str | None, iters: int):
+    """A few plain calls of one GEMM, for profilers: ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1"""
+    import kernels
+
+    N, K = SHAPES_7B[shape]
+    _, (w,) = random_nvfp4(N, K, 1)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    cfg = json.loads(config) if config else None
+    for _ in range(iters):
+        kernels.nvfp4_mm(x, w, config=cfg)
+    torch.cuda.synchronize()
+    print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}")
+
+
+def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_rank: int = 0):
+    """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B; with
+    lora_rank, LoRA of that rank on every linear, as in `bench.py train`)."""
+    import lora
+    import rollout
+    from torch.profiler import ProfilerActivity, profile
+
+    m = random_model(size, True)
+    if lora_rank:
+        lora.add_lora(m, lora_rank, 2 * lora_rank)
+    eng = rollout.Engine(m, max_batch=B, max_len=prompt + 512, cuda_graphs=False)
+    P = torch.randint(0, 150000, (B, prompt)).tolist()
+    eng.generate(P, max_new_tokens=4, stop_token_ids=[])                          # compile
+    eng.generate(P, max_new_tokens=1, stop_token_ids=[])                          # the prefill alone, to subtract
+    with profile(activities=[ProfilerActivity.CUDA]) as p0:
+        eng.generate(P, max_new_tokens=1, stop_token_ids=[])
+    with profile(activities=[ProfilerActivity.CUDA]) as p1:
+        eng.generate(P, max_new_tokens=steps + 1, stop_token_ids=[])
+    print_kernel_table([(-1, p0), (1, p1)], steps, f"{size} NVFP4{f' + LoRA r{lora_rank}' if lora_rank else ''} "
+                       f"batch {B}", "decode step (eager)")
+
+
+def print_kernel_table(profs, per: int, what: str, unit: str):
+    """CUDA time and launches per kernel, summed over (sign, profiler) pairs, per `unit` (per of them profiled)."""
+    t, n = {}, {}
+    for sign, prof in profs:
+        for e in prof.key_averages():
+            if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+                t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
+                n[e.key] = n.get(e.key, 0) + sign * e.count
+    total, launches = sum(v for v in t.values() if v > 0), sum(v for v in n.values() if v > 0)
+    print(f"{what}: {total / per / 1e3:.3f} ms of kernels in {launches / per:.0f} launches per {unit}")
+    for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
+        print(f"{v / per / 1e3:9.3f} ms {100 * v / total:5.1f}% {n[k] / per:7.1f}x  {k[:100]}")
+
+
+def profile_train(size: str, base: str):
+    """Where the train half of `bench.py train` goes: CUDA time per kernel of one train half (after a warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m, opt_, eng, P = bench._rl_setup(size, base, 8, 8, 256, 512, True)
+    b = bench._rl_batch(eng, P, 8, 512, 0)
+    bench._train_half(m, opt_, b)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    bench._train_half(m, opt_, b)
+    torch.cuda.synchronize()
+    print(f"train half: {time.time() - t0:.2f} s wall")
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        bench._train_half(m, opt_, b)
+        torch.cuda.synchronize()
+    print_kernel_table([(1, p)], 1, f"{size} {base} + LoRA r32, 8 x 8 sequences of 256 + 512", "train half")
