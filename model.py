@@ -117,22 +117,22 @@ def lora_term(lins, pads, x2, y, training):
 
 
 def base_linear(mod, x, qw):
-    """The frozen base: NVFP4 through kernels (on CPU the reference, with the dequantized weight cached), or bf16;
-    plus the generation snapshot of its LoRA (mod.snap), added in the NVFP4 GEMM's epilogue where it runs."""
-    snap = getattr(mod, "snap", None)
+    """x (M, in) -> (M, rows), a fresh tensor: the frozen base, NVFP4 through kernels (on CPU the reference, with the
+    dequantized weight cached) or bf16, plus the generation snapshot of its LoRA (mod.snap, lora.snapshot): added in
+    the NVFP4 GEMM's epilogue where that runs, else accumulated in place like the training adapters (lora.add_term)."""
     if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
         if getattr(mod, "_deq", None) is None:
             mod._deq = kernels.dequantize_ref(qw, x.dtype)
         y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
-    elif qw is not None and snap is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
-            and x.numel() < kernels.LARGE_M * x.shape[-1] and not torch.is_grad_enabled():
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()                            # (M, in)
-        return kernels.nvfp4_mm(x2, qw, mod.bias, lora=(x2 @ snap[0].t(), snap[1])).view(*x.shape[:-1], -1)
+    elif qw is not None and mod.snap is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
+            and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled():
+        x = x.contiguous()
+        return kernels.nvfp4_mm(x, qw, mod.bias, lora=(x @ mod.snap[0].t(), mod.snap[1]))
     elif qw is not None:
         y = kernels.nvfp4_linear(x, qw, mod.bias)
     else:
         y = F.linear(x, mod.weight, mod.bias)
-    return add_lora_snapshot(mod, x, y)
+    return lora.add_term(y, x, mod.snap)
 
 
 class Fused(nn.Module):
@@ -175,15 +175,6 @@ class Fused(nn.Module):
             outs.append(y[..., off:off + lin.out_features])
             off += p
         return outs
-
-
-def add_lora_snapshot(mod, x, y):
-    """y + x @ A^T @ B^T with the generation snapshot of mod's adapter(s) (lora.snapshot); y if there is none."""
-    if getattr(mod, "snap", None) is None:
-        return y
-    A, B = mod.snap                                                           # (R, in), (out, R), scale folded in
-    return torch.addmm(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]) @ A.t(), B.t()).view(y.shape)
-
 
 
 def fuse(mod, names) -> None:
