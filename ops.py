@@ -52,6 +52,18 @@ def apply_rope(x, cos, sin):
 
 if triton is not None:
     @triton.jit
+    def _rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, BACKWARD: tl.constexpr):
+        # the two halves of a rotated head vector, each product rounded to dt as in torch's op-by-op reference (bf16:
+        # within an ulp of it); BACKWARD: the transpose, dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+        if BACKWARD:
+            o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
+            o2 = (x2 * c2).to(dt).to(tl.float32) + (-(x1 * s1)).to(dt).to(tl.float32)
+        else:
+            o1 = (x1 * c1).to(dt).to(tl.float32) + (-(x2 * s1)).to(dt).to(tl.float32)
+            o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        return o1, o2
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, HEADS, sxb, sxh, sxt, scb, sct, syb, syh, syt,
                      BACKWARD: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
         bt, hb = tl.program_id(0), tl.program_id(1)           # (token, HB heads) per program
@@ -65,12 +77,7 @@ if triton is not None:
         cb, sb = cos_ptr + b * scb + t * sct, sin_ptr + b * scb + t * sct
         c1, c2 = tl.load(cb + i).to(tl.float32), tl.load(cb + HALF + i).to(tl.float32)
         s1, s2 = tl.load(sb + i).to(tl.float32), tl.load(sb + HALF + i).to(tl.float32)
-        if BACKWARD:  # the transpose of the rotation: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
-            o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
-            o2 = (x2 * c2).to(dt).to(tl.float32) + (-(x1 * s1)).to(dt).to(tl.float32)
-        else:         # products rounded to the dtype as in the op-by-op reference
-            o1 = (x1 * c1).to(dt).to(tl.float32) + (-(x2 * s1)).to(dt).to(tl.float32)
-            o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+        o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt, BACKWARD)
         tl.store(dst + i, o1.to(dt), mask=hm)
         tl.store(dst + HALF + i, o2.to(dt), mask=hm)
 
@@ -127,8 +134,7 @@ if triton is not None:
         b, t = (bt // T).to(tl.int64), bt % T
         i = tl.arange(0, HALF)
         dt = qo_ptr.dtype.element_ty
-        if h < HQ + HK:                                       # q or k: rotate; products rounded to the dtype as in
-            #                                                   torch's op-by-op reference (bf16: within an ulp of it)
+        if h < HQ + HK:                                       # q or k: rotate
             if h < HQ:
                 src = q_ptr + b * sqb + t * sqt + h * sqh
                 dst = qo_ptr + b * sob + h * soh + t * sot
@@ -139,8 +145,7 @@ if triton is not None:
             cb, sb = cos_ptr + b * scb + t * sct, sin_ptr + b * scb + t * sct
             c1, c2 = tl.load(cb + i).to(tl.float32), tl.load(cb + HALF + i).to(tl.float32)
             s1, s2 = tl.load(sb + i).to(tl.float32), tl.load(sb + HALF + i).to(tl.float32)
-            o1 = (x1 * c1).to(dt).to(tl.float32) + (-(x2 * s1)).to(dt).to(tl.float32)
-            o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+            o1, o2 = _rotate(x1, x2, c1, c2, s1, s2, dt, False)
             tl.store(dst + i, o1.to(dt))
             tl.store(dst + HALF + i, o2.to(dt))
         else:                                                 # v: copied into the cache
