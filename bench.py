@@ -418,7 +418,9 @@ def main(argv=None):
                     help="also time the candidate GEMM configs per (shape, M); optionally only the wgmma (4-8 warps) "
                          "or the mma.sync (1-2 warps or BN < 64) family")
     ap.add_argument("--m", default="1,16,64,256,4096", help="token counts M for the GEMM table")
-    ap.add_argument("--parts", default="gemm,dgrad,rmsnorm", help="which kernel benchmarks to run (comma list)")
+    ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
+                    help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm, ablate: the GEMM loop "
+                         "with one stage changed, see bench_sweep.ablate)")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -453,6 +455,9 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
+    if "ablate" in parts:
+        import bench_sweep
+        bench_sweep.ablate(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

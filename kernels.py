@@ -267,7 +267,7 @@ if triton is not None:
                     acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
                                    mask=out_mask, other=0.0, cache_modifier=".cg")
                 _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
-                tl.atomic_xchg(cnt_ptr + tile, 0)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
         else:
             _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
