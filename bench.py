@@ -2,6 +2,7 @@
 
     python bench.py kernels                 # NVFP4 GEMM vs torch bf16 at the Qwen2.5-7B linear shapes, dgrad, RMSNorm
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
+    python bench.py kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 

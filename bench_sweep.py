@@ -65,7 +65,7 @@ def precompile(Ms, jobs: int, family: str):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Ablation: the GEMM main loop with one stage changed, to see what bounds it (gate_up, M = 16 / 64, split 1)
+# Ablation: the GEMM with one stage changed, to see what bounds it at M = 16 / 64
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -74,56 +74,83 @@ from kernels import _dequant_regs  # noqa: E402
 
 
 @triton.jit
-def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, NP, KT, stride_xm, BM: tl.constexpr, BN: tl.constexpr,
-                   MODE: tl.constexpr):
-    # kernels._nvfp4_mm_kernel without split-K, bias or LoRA. MODE 0: as it is (the same numbers); 1: the token tile of
-    # the first K tile reused for every K tile (no token traffic in the loop; wrong result); 2: tokens read with
-    # 8-byte copies that may stay in L1 (cp.async.ca), so blocks on one SM could share them
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm,
+                   BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr):
+    # kernels._nvfp4_mm_kernel without bias or LoRA. MODE 0: as it is (the same numbers); 1: the first token tile
+    # reused for every K tile (no token traffic in the loop); 2: tokens read with 8-byte copies that may stay in L1
+    # (cp.async.ca), so the blocks on one SM could share them; 3: split-K partials parked, no fixup (1-3: wrong results)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
+    n = pid_n * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
     kk = tl.arange(0, 128)
     if MODE == 2:
         kk = (kk // 4) * 4 + kk % 4                  # contiguity 4: the compiler issues 8-byte copies, cached in L1
-    wp = w_ptr + n[:, None] * 16 + tl.arange(0, 16)[None, :]
-    sp = s_ptr + n[:, None] * 2 + tl.arange(0, 2)[None, :]
-    xp = x_ptr + m[:, None] * stride_xm + kk[None, :]
+    t0 = pid_k * TILES_PER_SPLIT
+    wp = w_ptr + (t0 * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :]
+    sp = s_ptr + (t0 * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]
+    xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]
     x0 = tl.load(xp, mask=m[:, None] < M, other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for t in tl.range(0, KT):
+    for t in tl.range(t0, tl.minimum(t0 + TILES_PER_SPLIT, KT)):
         words = tl.load(wp)
         sw0, sw1 = tl.split(tl.load(sp))
-        xt = x0 if MODE == 1 else tl.load(xp, mask=m[:, None] < M, other=0.0)
+        xt = x0 if MODE == 1 else tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)
         acc = tl.dot(_dequant_regs(words, sw0, sw1, BN, True), tl.trans(xt), acc)
         wp += NP * 16
         sp += NP * 2
         xp += 128
     acc = acc * (2.0 ** 119 / tl.load(gs_ptr))
-    tl.store(y_ptr + m[None, :] * N + n[:, None], acc.to(tl.bfloat16), mask=(n[:, None] < N) & (m[None, :] < M))
+    out_mask = (n[:, None] < N) & (m[None, :] < M)
+    if SPLIT_K > 1:
+        tl.store(ws_ptr + (pid_k * BM + m[None, :]) * N + n[:, None], acc, mask=out_mask)
+        if MODE != 3:  # the fixup of kernels.py: count the parked partials, the last program sums them
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(ws_ptr + (s * BM + m[None, :]) * N + n[:, None], mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(y_ptr + m[None, :] * N + n[:, None], acc.to(tl.bfloat16), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+    else:
+        tl.store(y_ptr + m[None, :] * N + n[:, None], acc.to(tl.bfloat16), mask=out_mask)
 
 
 def ablate(out: dict):
-    """python bench.py kernels --parts ablate: gate_up at M = 16 and 64 (BN = 64, 4 warps, 3 stages: the dispatch
-    table's config there), each variant against bf16 F.linear in the same run."""
+    """python bench.py kernels --parts ablate: gate_up (no split) and qkv (split in K) at M = 16 and 64, with the
+    dispatch table's configs, each variant against bf16 F.linear in the same run."""
     import kernels
 
-    N, K = bench.SHAPES_7B["gate_up"]
-    wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
-    _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
-
-    def run(x, w, mode):
-        y = torch.empty(x.shape[0], N, dtype=torch.bfloat16, device="cuda")
-        _ablate_kernel[(-(-N // 64),)](x, w.words, w.scales, w.global_scale, y, x.shape[0], N, w.words.shape[1],
-                                      w.words.shape[0], x.stride(0), BM=x.shape[0], BN=64, MODE=mode, num_warps=4,
-                                      num_stages=3)
-        return y
-
     rows = []
-    for M in (16, 64):
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        assert torch.equal(run(x, wq[0], 0), kernels.nvfp4_mm(x, wq[0])), "mode 0 must be the real kernel"
-        t_bf = bench.graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
-        for mode, what in ((0, "as in kernels.py"), (1, "no token traffic in the loop"), (2, "tokens via L1 (8-byte .ca)")):
-            t = bench.graph_time_us([lambda w=w, mode=mode: run(x, w, mode) for w in wq])
-            rows.append(dict(M=M, variant=what, us=t, speedup=t_bf / t))
-            print(f"gate_up M={M:3d}  {what:30s} {t:7.1f} us  {t_bf / t:.2f}x bf16 ({t_bf:.1f} us)", flush=True)
+    for name in ("gate_up", "qkv"):
+        N, K = bench.SHAPES_7B[name]
+        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        for M in (16, 64):
+            cfg = kernels.mm_config(M, N, K)
+            KT, split = wq[0].words.shape[0], cfg["SPLIT_K"]
+            per = -(-KT // split)
+            ws = torch.empty(split * cfg["BM"] * N, dtype=torch.float32, device="cuda")
+            cnt = torch.zeros(-(-N // cfg["BN"]), dtype=torch.int32, device="cuda")
+
+            def run(x, w, mode):
+                y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+                _ablate_kernel[(-(-N // cfg["BN"]), 1, -(-KT // per))](
+                    x, w.words, w.scales, w.global_scale, y, ws, cnt, M, N, w.words.shape[1], K, KT, per, x.stride(0),
+                    BM=cfg["BM"], BN=cfg["BN"], SPLIT_K=-(-KT // per), MODE=mode, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"])
+                return y
+
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            assert torch.equal(run(x, wq[0], 0), kernels.nvfp4_mm(x, wq[0])), "mode 0 must be the real kernel"
+            t_bf = bench.graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
+            modes = ((None, "kernels.nvfp4_mm itself"), (0, "as in kernels.py"), (1, "no token traffic in the loop"),
+                     (2, "tokens via L1 (8-byte .ca)"))
+            for mode, what in modes + (((3, "partials parked, no fixup"),) if split > 1 else ()):
+                f = (lambda w: kernels.nvfp4_mm(x, w)) if mode is None else (lambda w, mode=mode: run(x, w, mode))
+                t = bench.graph_time_us([lambda w=w, f=f: f(w) for w in wq])
+                rows.append(dict(shape=name, M=M, split=split, variant=what, us=t, speedup=t_bf / t))
+                print(f"{name:7s} M={M:3d} split {split:2d}  {what:30s} {t:7.1f} us  {t_bf / t:.2f}x bf16 "
+                      f"({t_bf:.1f} us)", flush=True)
     out["ablate"] = rows
