@@ -9,8 +9,9 @@
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight with as many bytes as the NVFP4 one (9/32 of the rows):
 the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound").
 
-Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays; weights are rotated over
-enough copies that every call reads them from HBM, not L2 (50 MB). Speedups are ours / torch bf16 measured in the
+Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two sides of a ratio
+replayed in turn (paired_us); weights are rotated over enough copies that every call reads them from HBM, not L2
+(50 MB). Speedups are ours / torch bf16 measured in the
 same run. Needs a CUDA GPU.
 """
 import argparse
@@ -29,24 +30,35 @@ L2_BYTES = 50 * 2**20
 
 def graph_time_us(calls, reps: int = 5, replays: int = 7) -> float:
     """Median microseconds per call of `calls` (a list of closures), captured in one CUDA graph."""
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for f in calls:
-                f()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
+    return paired_us(calls, reps=reps, replays=replays)[0]
+
+
+def paired_us(*call_lists, reps: int = 5, replays: int = 7) -> list[float]:
+    """Median microseconds per call of each list of closures, one CUDA graph per list, the graphs replayed in turn
+    (a, b, a, b, ...): a compute-bound GEMM runs at the power limit, whose clock drifts as the GPU warms, so timing
+    one side after the other would favour the first."""
+    graphs = []
+    for calls in call_lists:
+        for f in calls:
+            f()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    del g
-    return statistics.median(times)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                for f in calls:
+                    f()
+        graphs.append(g)
+    times = [[] for _ in call_lists]
+    for _ in range(replays):
+        for g, calls, tl_ in zip(graphs, call_lists, times):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            torch.cuda.synchronize()
+            tl_.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
+    del graphs
+    return [statistics.median(t) for t in times]
 
 
 def copies_for(nbytes: int) -> int:
@@ -91,8 +103,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
         weq = [torch.randn(rows_eq, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(rows_eq * K * 2))]
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
-            t_ours = graph_time_us([lambda w=w: kernels.nvfp4_linear(x, w) for w in wq])
+            t_bf16, t_ours = paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
+                                       [lambda w=w: kernels.nvfp4_linear(x, w) for w in wq])
             gbs = N * K * 9 / 16 / t_ours / 1e3
             row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours, nvfp4_GBps=gbs)
             if M <= 64:  # the bound a perfect W4 kernel meets: cuBLAS reading as many bytes (9/32 of the rows)
@@ -137,8 +149,7 @@ def bench_dgrad(out: dict):
         wb = kernels.dequantize(wq)
         for M in (4096, 16384):
             dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-            t_bf16 = graph_time_us([lambda: dy @ wb], reps=2, replays=5)
-            t_ours = graph_time_us([lambda: dy @ kernels.dequantize(wq)], reps=2, replays=5)
+            t_bf16, t_ours = paired_us([lambda: dy @ wb], [lambda: dy @ kernels.dequantize(wq)], reps=2, replays=5)
             t_deq = graph_time_us([lambda: kernels.dequantize(wq)], reps=3)
             rows.append(dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, ratio=t_bf16 / t_ours,
                              dequant_us=t_deq, dequant_GBps=N * K * (2 + 9 / 16) / t_deq / 1e3))
