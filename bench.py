@@ -3,6 +3,7 @@
     python bench.py kernels                 # NVFP4 GEMM vs torch bf16 at the Qwen2.5-7B linear shapes, dgrad, RMSNorm
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
     python bench.py kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
+    python bench.py kernels --parts splits  # every split-K count per shape at M = 1 / 16 / 64
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
@@ -431,8 +432,8 @@ def main(argv=None):
                          "or the mma.sync (1-2 warps or BN < 64) family")
     ap.add_argument("--m", default="1,16,64,256,4096", help="token counts M for the GEMM table")
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
-                    help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm, ablate: the GEMM loop "
-                         "with one stage changed, see bench_sweep.ablate)")
+                    help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
+                         "with one stage changed, splits: every split-K count at M = 1 / 16 / 64; see bench_sweep)")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -467,9 +468,12 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
-    if "ablate" in parts:
+    if "ablate" in parts or "splits" in parts:
         import bench_sweep
-        bench_sweep.ablate(out)
+        if "ablate" in parts:
+            bench_sweep.ablate(out)
+        if "splits" in parts:
+            bench_sweep.splits(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

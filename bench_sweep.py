@@ -154,3 +154,30 @@ def ablate(out: dict):
                 print(f"{name:7s} M={M:3d} split {split:2d}  {what:30s} {t:7.1f} us  {t_bf / t:.2f}x bf16 "
                       f"({t_bf:.1f} us)", flush=True)
     out["ablate"] = rows
+
+
+def splits(out: dict):
+    """python bench.py kernels --parts splits: every split-K count (not only the sweep's powers of two) per shape at
+    M = 1 / 16 / 64, with the dispatch table's tile; prints the dispatch table's choice against the fastest."""
+    import kernels
+
+    rows = []
+    for name, (N, K) in bench.SHAPES_7B.items():
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        KT = -(-K // 128)
+        for M in (1, 16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            base = kernels.mm_config(M, N, K)
+            ref = kernels.nvfp4_mm(x, wq[0])
+            effective = sorted({-(-KT // -(-KT // s)) for s in range(1, 17) if KT // s >= 2})  # what nvfp4_mm runs
+            times = {}
+            for s in effective:
+                c = dict(base, SPLIT_K=s)
+                torch.testing.assert_close(kernels.nvfp4_mm(x, wq[0], config=c), ref, rtol=0.02, atol=0.07)
+                times[s] = bench.graph_time_us([lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq])
+            chosen = -(-KT // -(-KT // min(base["SPLIT_K"], KT)))
+            best = min(times, key=times.get)
+            rows.append(dict(shape=name, M=M, chosen=chosen, best=best, us=times))
+            print(f"{name:7s} M={M:3d} dispatch split {chosen:2d}: {times[chosen]:6.1f} us | fastest {best:2d}: "
+                  f"{times[best]:6.1f} us | " + " ".join(f"{s}:{t:.1f}" for s, t in times.items()), flush=True)
+    out["splits"] = rows

@@ -306,7 +306,9 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     BM covers the tokens (the tensor-core N side), BN the weight rows. Small M is bandwidth- and latency-bound:
     split K until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64). Larger M
     is compute-bound: 128 x 128 tiles (one 8-warp program per SM) split in K to fill one wave when there are few,
-    else 64-token tiles of 4 warps, several per SM (BN = 128 when there are plenty). A split keeps >= 2 K tiles.
+    else 64-token tiles of 4 warps, several per SM (BN = 128 when there are plenty). A split keeps >= 2 K tiles;
+    at 17..64 tokens a long K (down_proj) is split further, up to one full wave of 3 programs per SM, while each
+    split keeps >= 16 K tiles (down at M = 64: 7 splits, 1.11x faster than 4).
     """
     KT = -(-K // 128)
     if M <= 64:
@@ -320,6 +322,8 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     split = 1
     while split < 16 and tiles * split * 2 <= fill * sms and KT // (split * 2) >= 2:
         split *= 2
+    if 16 < M <= 64:  # long K (down): split up to one full wave (3 programs per SM) while a split keeps >= 16 K tiles
+        split = max(split, min(3 * sms // tiles, KT // 16))
     return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=3)
 
 
