@@ -7,8 +7,11 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 import bench
+from kernels import _dequant_regs, split_k
 
 
 def sweep_configs(M, N, K, family: str = "all"):
@@ -67,11 +70,6 @@ def precompile(Ms, jobs: int, family: str):
 # ----------------------------------------------------------------------------------------------------------------
 # Ablation: the GEMM with one stage changed, to see what bounds it at M = 16 / 64
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from kernels import _dequant_regs  # noqa: E402
-
 
 @triton.jit
 def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm,
@@ -129,16 +127,16 @@ def ablate(out: dict):
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
         for M in (16, 64):
             cfg = kernels.mm_config(M, N, K)
-            KT, split = wq[0].words.shape[0], cfg["SPLIT_K"]
-            per = -(-KT // split)
+            KT = wq[0].words.shape[0]
+            split, per = split_k(KT, cfg["SPLIT_K"])
             ws = torch.empty(split * cfg["BM"] * N, dtype=torch.float32, device="cuda")
             cnt = torch.zeros(-(-N // cfg["BN"]), dtype=torch.int32, device="cuda")
 
             def run(x, w, mode):
                 y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
-                _ablate_kernel[(-(-N // cfg["BN"]), 1, -(-KT // per))](
+                _ablate_kernel[(-(-N // cfg["BN"]), 1, split)](
                     x, w.words, w.scales, w.global_scale, y, ws, cnt, M, N, w.words.shape[1], K, KT, per, x.stride(0),
-                    BM=cfg["BM"], BN=cfg["BN"], SPLIT_K=-(-KT // per), MODE=mode, num_warps=cfg["num_warps"],
+                    BM=cfg["BM"], BN=cfg["BN"], SPLIT_K=split, MODE=mode, num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
                 return y
 
@@ -169,13 +167,13 @@ def splits(out: dict):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             base = kernels.mm_config(M, N, K)
             ref = kernels.nvfp4_mm(x, wq[0])
-            effective = sorted({-(-KT // -(-KT // s)) for s in range(1, 17) if KT // s >= 2})  # what nvfp4_mm runs
+            effective = sorted({split_k(KT, s)[0] for s in range(1, 17) if KT // s >= 2})  # what nvfp4_mm runs
             times = {}
             for s in effective:
                 c = dict(base, SPLIT_K=s)
                 torch.testing.assert_close(kernels.nvfp4_mm(x, wq[0], config=c), ref, rtol=0.02, atol=0.07)
                 times[s] = bench.graph_time_us([lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq])
-            chosen = -(-KT // -(-KT // min(base["SPLIT_K"], KT)))
+            chosen = split_k(KT, base["SPLIT_K"])[0]
             best = min(times, key=times.get)
             rows.append(dict(shape=name, M=M, chosen=chosen, best=best, us=times))
             print(f"{name:7s} M={M:3d} dispatch split {chosen:2d}: {times[chosen]:6.1f} us | fastest {best:2d}: "

@@ -327,6 +327,13 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=3)
 
 
+def split_k(KT: int, split: int) -> tuple[int, int]:
+    """The split count that runs for KT tiles of K asked to split `split` ways, and its tiles per split (every split
+    gets >= 1 tile: 28 tiles asked for 8 splits run as 7 of 4)."""
+    per = -(-KT // min(split, KT))
+    return -(-KT // per), per
+
+
 def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None,
              lora=None):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
@@ -341,8 +348,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
-    per_split = -(-KT // min(split, KT))
-    split = -(-KT // per_split)                                          # every split gets >= 1 tile
+    split, per_split = split_k(KT, split)
     grid = (-(-N // BN), -(-M // BM), split)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
