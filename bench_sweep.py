@@ -15,7 +15,8 @@ from kernels import _dequant_regs, split_k
 
 
 def sweep_configs(M, N, K, family: str = "all"):
-    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth.
+    """Candidate tile configs for M tokens: token tile BM, weight-row tile BN, split-K, warps, pipeline depth, and
+    (above 16 tokens) the first K tile peeled out of the loop or not.
 
     With 4 or 8 warps and BN >= 64 the dot runs on wgmma (Hopper warp-group MMA); with 1-2 warps, or BN < 64, Triton
     falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
@@ -31,8 +32,9 @@ def sweep_configs(M, N, K, family: str = "all"):
             for split in (1, 2, 4, 8, 16):
                 if (K // 128) // split < 2 or -(-N // BN) * -(-M // BM) * split > 16 * 132:
                     continue
-                for stages in ((2, 3, 4) if BM <= 64 else (2, 3)):
-                    out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages))
+                for stages in (2, 3, 4):
+                    for peel in ((0, 1) if M > 16 else (0,)):
+                        out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages, PEEL=peel))
     return out
 
 
@@ -73,7 +75,7 @@ def precompile(Ms, jobs: int, family: str):
 
 @triton.jit
 def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm,
-                   BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MODE: tl.constexpr, PEEL: tl.constexpr):
     # kernels._nvfp4_mm_kernel without bias or LoRA. MODE 0: as it is (the same numbers); 1: the first token tile
     # reused for every K tile (no token traffic in the loop); 2: tokens read with 8-byte copies that may stay in L1
     # (cp.async.ca), so the blocks on one SM could share them; 3: split-K partials parked, no fixup (1-3: wrong results)
@@ -89,7 +91,14 @@ def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NP
     xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]
     x0 = tl.load(xp, mask=m[:, None] < M, other=0.0)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for t in tl.range(t0, tl.minimum(t0 + TILES_PER_SPLIT, KT)):
+    if PEEL:
+        sw0, sw1 = tl.split(tl.load(sp))
+        xt = x0 if MODE == 1 else tl.load(xp, mask=(m[:, None] < M) & (t0 * 128 + kk[None, :] < K), other=0.0)
+        acc = tl.dot(_dequant_regs(tl.load(wp), sw0, sw1, BN, True), tl.trans(xt), acc)
+        wp += NP * 16
+        sp += NP * 2
+        xp += 128
+    for t in tl.range(t0 + PEEL, tl.minimum(t0 + TILES_PER_SPLIT, KT)):
         words = tl.load(wp)
         sw0, sw1 = tl.split(tl.load(sp))
         xt = x0 if MODE == 1 else tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)
@@ -136,7 +145,7 @@ def ablate(out: dict):
                 y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
                 _ablate_kernel[(-(-N // cfg["BN"]), 1, split)](
                     x, w.words, w.scales, w.global_scale, y, ws, cnt, M, N, w.words.shape[1], K, KT, per, x.stride(0),
-                    BM=cfg["BM"], BN=cfg["BN"], SPLIT_K=split, MODE=mode, num_warps=cfg["num_warps"],
+                    BM=cfg["BM"], BN=cfg["BN"], SPLIT_K=split, MODE=mode, PEEL=cfg["PEEL"], num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"])
                 return y
 

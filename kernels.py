@@ -234,7 +234,7 @@ if triton is not None:
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1):
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -244,7 +244,15 @@ if triton is not None:
         sp = s_ptr + (t0 * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]           # (BN, 2) scale words
         xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]                  # (BM, 128)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        for t in tl.range(t0, tl.minimum(t0 + TILES_PER_SPLIT, KT), loop_unroll_factor=UNROLL):
+        if PEEL:  # first K tile outside the loop: the accumulator enters it from a wgmma, not from zeroing movs, so
+            # ptxas keeps the loop's wgmmas in flight (else it serializes them, advisory C7515; see mm_config)
+            sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
+            xt = tl.load(xp, mask=(m[:, None] < M) & (t0 * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
+            acc = _dot(_dequant_regs(tl.load(wp), sw0, sw1, BN, USE_ASM), tl.trans(xt), acc, USE_ASM)
+            wp += NP * 16
+            sp += NP * 2
+            xp += 128
+        for t in tl.range(t0 + PEEL, tl.minimum(t0 + TILES_PER_SPLIT, KT), loop_unroll_factor=UNROLL):
             words = tl.load(wp)                                                       # (BN, 16) int32
             sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
             xt = tl.load(xp, mask=(m[:, None] < M) & (t * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
@@ -303,28 +311,37 @@ def _workspace(device, floats: int, tiles: int):
 def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see README).
 
-    BM covers the tokens (the tensor-core N side), BN the weight rows. Small M is bandwidth- and latency-bound:
-    split K until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64). Larger M
-    is compute-bound: 128 x 128 tiles (one 8-warp program per SM) split in K to fill one wave when there are few,
-    else 64-token tiles of 4 warps, several per SM (BN = 128 when there are plenty). A split keeps >= 2 K tiles;
-    at 17..64 tokens a long K (down_proj) is split further, up to one full wave of 3 programs per SM, while each
-    split keeps >= 16 K tiles (down at M = 64: 7 splits, 1.11x faster than 4).
+    BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
+    64-row tiles, K split until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64);
+    a split keeps >= 2 K tiles, and at 17..64 tokens a long K (down_proj) is split up to one full wave of 3 programs
+    per SM while each split keeps >= 16 K tiles (down at M = 64: 7 splits, 1.11x faster than 4). Above 64 tokens
+    the GEMM is compute-bound and wave quantization decides: a long K with few 128 x 128 tiles splits K to fill one
+    wave of them; 128 x 128 tiles (8 warps, one program per SM) when they fill their last wave >= 75%; else
+    128 x 64 tiles if they fit one wave (split in 2 when that still does); else 64 x 64 tiles (3 programs per SM).
+    PEEL (the first K tile outside the loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K
+    tiles per split: 1.13x on gate_up at M = 64, 1.1-1.15x on the 128 x 128 tile at 256-512 tokens; at M <= 16 its
+    prologue costs 2-3%.
     """
-    KT = -(-K // 128)
+    KT, cdiv = -(-K // 128), lambda a, b: -(-a // b)
+    t128 = cdiv(N, 128) * cdiv(M, 128)
     if M <= 64:
-        BM, BN, warps, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, (7.0 if M <= 16 else 2.5)
-    elif -(-N // 128) * -(-M // 128) * 2 <= sms:   # a split of 2 still fits in one wave
-        BM, BN, warps, fill = 128, 128, 8, 1.0
+        BM, BN, warps, stages, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, 3, (7.0 if M <= 16 else 2.5)
+    elif KT >= 64 and t128 * 2 <= sms:                       # long K, few tiles: split K over one wave
+        BM, BN, warps, stages, fill = 128, 128, 8, 4, 1.0
+    elif t128 >= 0.75 * cdiv(t128, sms) * sms:               # 128 x 128 tiles fill their waves
+        BM, BN, warps, stages, fill = 128, 128, 8, 4, 0.0
+    elif cdiv(N, 64) * cdiv(M, 128) <= sms:                  # 128 x 64 tiles: one wave, one program per SM
+        BM, BN, warps, stages, fill = 128, 64, 4, 3, 1.0
     else:
-        BM, warps, fill = 64, 4, 2.0
-        BN = 128 if -(-N // 128) * -(-M // 64) >= 2 * sms else 64
-    tiles = -(-N // BN) * -(-M // BM)
+        BM, BN, warps, stages, fill = 64, 64, 4, 3, 0.0
+    tiles = cdiv(N, BN) * cdiv(M, BM)
     split = 1
     while split < 16 and tiles * split * 2 <= fill * sms and KT // (split * 2) >= 2:
         split *= 2
     if 16 < M <= 64:  # long K (down): split up to one full wave (3 programs per SM) while a split keeps >= 16 K tiles
         split = max(split, min(3 * sms // tiles, KT // 16))
-    return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=3)
+    peel = int(M > 16 and split_k(KT, split)[1] >= 8)
+    return dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=warps, num_stages=stages, PEEL=peel)
 
 
 def split_k(KT: int, split: int) -> tuple[int, int]:

@@ -83,6 +83,21 @@ def test_gemm_split_k_bias_and_batched_input(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [dict(BM=64, BN=64, SPLIT_K=1, num_warps=4, num_stages=3),
+                                 dict(BM=128, BN=64, SPLIT_K=2, num_warps=4, num_stages=3),
+                                 dict(BM=128, BN=128, SPLIT_K=4, num_warps=8, num_stages=4)])
+def test_gemm_first_tile_peeled(device, cfg):
+    """PEEL=1 (the first K tile of each split outside the loop, as mm_config picks above 16 tokens) gives the same
+    bits as the plain loop: 9 K tiles, so splits of 5 + 4 and 3 x 3 tiles, and 70 tokens / 130 rows in partial tiles."""
+    w, _ = make_weight(130, 1104, seed=7, device=device)
+    x = torch.randn(70, 1104, device=device).to(torch.bfloat16)
+    y = K.nvfp4_mm(x, w, config=dict(cfg, PEEL=1))
+    y32, tol = expected(x, w)
+    assert ((y.float() - y32).abs() <= tol).all(), (y.float() - y32).abs().max()
+    assert torch.equal(y, K.nvfp4_mm(x, w, config=dict(cfg, PEEL=0)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M,R,split", [(1, 8, 1), (5, 96, 2), (20, 32, 1), (20, 32, 4)])
 def test_gemm_lora_epilogue(device, M, R, split):
     """lora=(xa, B) adds xa @ B^T (the rollout's LoRA snapshot, R = sum of ranks, padded inside the kernel to a
@@ -140,7 +155,7 @@ def test_ptx_dequant_matches_pure_triton_twin():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("M", [1, 16, 40, 64, 128, 256, 512, 2048])
 @pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_gemm_7b_shapes_cuda(M, N, Kd):
     w, _ = make_weight(N, Kd, seed=M, device="cuda")
