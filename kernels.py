@@ -312,7 +312,7 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see README).
 
     BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
-    64-row tiles, K split until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64);
+    64-row tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1 1.06-1.25x), K split until there are enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64);
     a split keeps >= 2 K tiles, and at 17..64 tokens a long K (down_proj) is split up to one full wave of 3 programs
     per SM while each split keeps >= 16 K tiles (down at M = 64: 7 splits, 1.11x faster than 4). Above 64 tokens
     the GEMM is compute-bound and wave quantization decides: a long K with few 128 x 128 tiles splits K to fill one
@@ -326,6 +326,8 @@ def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
     t128 = cdiv(N, 128) * cdiv(M, 128)
     if M <= 64:
         BM, BN, warps, stages, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, 3, (7.0 if M <= 16 else 2.5)
+        if M <= 8 and cdiv(N, 64) * 2 <= fill * sms:  # few tokens, and 64-row tiles would split K: 128 rows pay
+            BN = 128
     elif KT >= 64 and t128 * 2 <= sms:                       # long K, few tiles: split K over one wave
         BM, BN, warps, stages, fill = 128, 128, 8, 4, 1.0
     elif t128 >= 0.75 * cdiv(t128, sms) * sms:               # 128 x 128 tiles fill their waves
