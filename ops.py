@@ -3,8 +3,9 @@
   rope_cos_sin / apply_rope    rotary position embeddings with HF's numerics; rope(x, cos, sin) the same, fwd + bwd
   rope_cache(q, k, v, ...)     rotate q and k and write k and v to the KV cache during generation, one launch
   silu_mul(gu, n, up_off)      the MLP's SiLU(gate) * up from the fused gate_up output, fwd + bwd
+  race_sample(logits, e, T)    the rollout's sampler: a token per row from softmax(logits / T) by the exponential race
 
-    pytest tests/test_kernels.py -k "rms or rope or silu"     # kernels against references (CPU: TRITON_INTERPRET=1)
+    pytest tests/test_kernels.py -k "rms or rope or silu or race"     # kernels against references (CPU: TRITON_INTERPRET=1)
 
 Default and llama3 rope types only; no partial rotary, no NTK / YaRN scaling. Used by model.py.
 """
@@ -348,3 +349,61 @@ def rms_norm(x, weight, eps: float, noise=None, residual=None):
     if not _use_triton(x):
         return rms_norm_ref(x, weight, eps, noise, residual)
     return _RMSNorm.apply(x, weight, eps, noise, residual)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling: the exponential race in one pass over the logits
+
+def race_sample_ref(logits, e, temperature: float):
+    """Reference. logits (B, V), e (B, V) Exp(1) noise -> tokens (B,) int64, logprobs (B,) fp32 with z = logits / T:
+    token = argmax_i z_i - log e_i (= argmax p_i / e_i: an exact draw from softmax(z); -inf logits never win),
+    logprob = z_token - logsumexp(z)."""
+    z = logits.float() * (1.0 / temperature)                                   # (B, V)
+    s = torch.where(z == float("-inf"), float("-inf"), z - e.float().log())
+    tok = s.argmax(-1)
+    return tok, z.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(z, -1)
+
+
+if triton is not None:
+    @triton.jit
+    def _race_kernel(z_ptr, e_ptr, tok_ptr, lp_ptr, V, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
+        # one row per program: per lane a running race winner and an online logsumexp, reduced across lanes at the end
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        NEG: tl.constexpr = float("-inf")
+        m = tl.full((BLOCK,), NEG, tl.float32)                                 # running max of z per lane
+        l = tl.zeros((BLOCK,), tl.float32)                                     # sum of exp(z - m) per lane
+        best = tl.full((BLOCK,), NEG, tl.float32)                              # best race score per lane
+        arg = tl.zeros((BLOCK,), tl.int32)                                     # its index (first on ties)
+        for v0 in range(0, V, BLOCK):
+            i = v0 + offs
+            z = tl.load(z_ptr + row * stride_z + i, mask=i < V, other=NEG) * inv_t
+            e = tl.load(e_ptr + row * stride_e + i, mask=i < V, other=1.0)
+            s = tl.where(z == NEG, NEG, z - tl.log(e))
+            arg = tl.where(s > best, i, arg)
+            best = tl.maximum(best, s)
+            m_new = tl.maximum(m, z)
+            l = tl.where(m_new == NEG, 0.0, l * tl.exp(m - m_new) + tl.exp(z - m_new))
+            m = m_new
+        mx = tl.max(m, 0)
+        lse = mx + tl.log(tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
+        top = tl.max(best, 0)
+        tok = tl.min(tl.where(best == top, arg, V), 0)                        # the first index among the lanes' ties
+        z_tok = tl.load(z_ptr + row * stride_z + tok) * inv_t
+        tl.store(tok_ptr + row, tok.to(tl.int64))
+        tl.store(lp_ptr + row, z_tok - lse)
+
+
+def race_sample(logits, e, temperature: float):
+    """Draw one token per row from softmax(logits / T) given Exp(1) noise e (see race_sample_ref); Triton on CUDA:
+    one read of logits and noise instead of a log-softmax, an exp, a division, an argmax and a gather."""
+    if logits.shape != e.shape or logits.dim() != 2:
+        raise ValueError(f"logits and noise must be (B, V) of one shape, got {tuple(logits.shape)}, {tuple(e.shape)}")
+    if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32 and logits.stride(-1) == e.stride(-1) == 1):
+        return race_sample_ref(logits, e, temperature)
+    B, V = logits.shape
+    tok = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    _race_kernel[(B,)](logits, e, tok, lp, V, logits.stride(0), e.stride(0), 1.0 / temperature, BLOCK=2048,
+                       num_warps=8)
+    return tok, lp

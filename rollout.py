@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 import lora  # noqa: E402
 import model as M  # noqa: E402
+import ops  # noqa: E402
 
 
 @dataclass
@@ -64,13 +65,15 @@ def check_request(prompts, n, max_new_tokens, stop_token_ids, vocab_size: int, m
 def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: torch.Generator, race: bool | None = None):
     """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled from.
 
-    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one pass over B x V, the
-    default on CUDA) and the inverse CDF (one uniform per row and a cumsum over V: cheaper on a CPU, the default
-    there). `race` picks one explicitly (the tests check both)."""
+    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one fused pass over B x V,
+    ops.race_sample; the default on CUDA) and the inverse CDF (one uniform per row and a cumsum over V: cheaper on a
+    CPU, the default there). `race` picks one explicitly (the tests check both)."""
     if temperature <= 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
-    z = logits / temperature                                                   # (B, V)
+    z, t = logits, temperature                                                 # (B, V); z / t is sampled from
+    if top_k > 0 or top_p < 1.0:
+        z, t = logits / temperature, 1.0
     if top_k > 0:
         kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[:, -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -79,15 +82,12 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         cum = torch.softmax(sz, -1).cumsum(-1)
         drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
-    logp = torch.log_softmax(z, -1)                                            # (B, V)
-    p = logp.exp()
-    race = logits.is_cuda if race is None else race
-    if race:
-        tok = (p / torch.empty_like(p).exponential_(generator=gen)).argmax(-1)
-    else:
-        cdf = p.cumsum(-1)                                                     # (B, V)
-        u = torch.rand(p.shape[0], 1, generator=gen, device=p.device) * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=p.shape[-1] - 1)
+    if logits.is_cuda if race is None else race:  # one fused pass over z and the noise (ops.race_sample)
+        return ops.race_sample(z, torch.empty_like(z).exponential_(generator=gen), t)
+    logp = torch.log_softmax(z / t, -1)                                        # (B, V)
+    cdf = logp.exp().cumsum(-1)                                                # (B, V)
+    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)
     tok = torch.where(torch.isfinite(logp.gather(-1, tok[:, None])[:, 0]), tok, logp.argmax(-1))  # never a -inf token
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
