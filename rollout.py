@@ -82,7 +82,8 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         cum = torch.softmax(sz, -1).cumsum(-1)
         drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
-    if logits.is_cuda if race is None else race:  # one fused pass over z and the noise (ops.race_sample)
+    race = logits.is_cuda if race is None else race
+    if race:  # one fused pass over z and the noise (ops.race_sample)
         return ops.race_sample(z, torch.empty_like(z).exponential_(generator=gen), t)
     logp = torch.log_softmax(z / t, -1)                                        # (B, V)
     cdf = logp.exp().cumsum(-1)                                                # (B, V)
