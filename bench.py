@@ -4,6 +4,7 @@
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
     python bench.py kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
     python bench.py kernels --parts splits  # every split-K count per shape at M = 1 / 16 / 64
+    python bench.py kernels --parts ws      # kernels_ws's warp-specialized GEMM vs the Triton one, 24-512 tokens
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
@@ -433,7 +434,8 @@ def main(argv=None):
     ap.add_argument("--m", default="1,16,64,256,4096", help="token counts M for the GEMM table")
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
-                         "with one stage changed, splits: every split-K count at M = 1 / 16 / 64; see bench_sweep)")
+                         "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
+                         "warp-specialized GEMM of kernels_ws against the Triton one; see bench_sweep)")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -468,8 +470,10 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
-    if "ablate" in parts or "splits" in parts:
+    if "ablate" in parts or "splits" in parts or "ws" in parts:
         import bench_sweep
+        if "ws" in parts:
+            bench_sweep.ws(out)
         if "ablate" in parts:
             bench_sweep.ablate(out)
         if "splits" in parts:

@@ -188,3 +188,36 @@ def splits(out: dict):
             print(f"{name:7s} M={M:3d} dispatch split {chosen:2d}: {times[chosen]:6.1f} us | fastest {best:2d}: "
                   f"{times[best]:6.1f} us | " + " ".join(f"{s}:{t:.1f}" for s, t in times.items()), flush=True)
     out["splits"] = rows
+
+
+def ws(out: dict, Ms=(24, 32, 48, 64, 128, 256, 512)):
+    """python bench.py kernels --parts ws: kernels_ws's warp-specialized GEMM (each token tile and register budget)
+    against kernels.py's Triton GEMM (its mm_config) and bf16 F.linear, per 7B shape and token count, in one run,
+    with the choice kernels.nvfp4_mm makes (kernels_ws.ws_config)."""
+    import kernels
+    import kernels_ws
+
+    rows = []
+    for name, (N, K) in bench.SHAPES_7B.items():
+        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            tri = kernels.mm_config(M, N, K)
+            base = kernels_ws.ws_config(M, N, K)
+            alts = [dict(BM=64, maxnreg=128), dict(BM=64, maxnreg=None), dict(BM=128, maxnreg=None)]
+            ref = kernels.nvfp4_mm(x, wq[0], config=tri).float()
+            for c in alts:
+                d = (kernels_ws.ws_mm(x, wq[0], config=c).float() - ref).abs().max().item()
+                assert d <= 0.02 * ref.abs().max().item(), (name, M, c, d)      # another summation order only
+            t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
+                                [lambda w=w: kernels.nvfp4_mm(x, w, config=tri) for w in wq],
+                                *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=c) for w in wq] for c in alts])
+            best = min(range(len(alts)), key=lambda i: t[2 + i])
+            rows.append(dict(shape=name, M=M, bf16_us=t[0], triton_us=t[1], ws_cfg=base, ws_us=dict(zip(map(str, alts), t[2:])),
+                             dispatch_us=t[1] if base is None else t[2 + alts.index(base)]))
+            print(f"{name:7s} M={M:4d} bf16 {t[0]:6.1f} us | triton {t[1]:6.1f} ({t[0] / t[1]:.2f}x) | ws "
+                  + " ".join(f"{c['BM']}/{c['maxnreg']}: {tc:6.1f} ({t[0] / tc:.2f}x)" for c, tc in zip(alts, t[2:]))
+                  + f" | best {alts[best]['BM']}/{alts[best]['maxnreg']}, dispatch: "
+                  + ("triton" if base is None else f"ws {base['BM']}/{base['maxnreg']}"), flush=True)
+    out["ws"] = rows

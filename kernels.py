@@ -23,6 +23,8 @@ q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies by 2^119 / glob
 park partial sums in a workspace and the last one to finish (a counter per output tile) writes the result, so a
 call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
+On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
+says it wins (enough weight tiles without splitting K); everything else runs the kernel below.
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning.
 """
@@ -47,6 +49,7 @@ except ImportError as e:  # CPU-only installs can still use the references; a wr
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
+WS_MIN_M = 48           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -363,6 +366,9 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     R = xa.shape[1] if lora is not None else 0
     if lora is not None and (xa.shape != (M, R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous()):
         raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, {tuple(lb.shape)}")
+    ws = _ws() if config is None and lora is None and M > WS_MIN_M and use_asm is None else None
+    if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
+        return ws.ws_mm(x2, w, bias, wcfg)               # Hopper, 49..1023 tokens, enough tiles: warp-specialized
     xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
@@ -376,6 +382,15 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
                            SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
                            USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
     return y
+
+
+@functools.cache
+def _ws():
+    try:
+        import kernels_ws
+    except ImportError:
+        return None
+    return kernels_ws
 
 
 def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
