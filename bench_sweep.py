@@ -190,14 +190,29 @@ def splits(out: dict):
     out["splits"] = rows
 
 
-def ws(out: dict, Ms=(24, 32, 48, 64, 128, 256, 512)):
-    """python bench.py kernels --parts ws: kernels_ws's warp-specialized GEMM (each token tile and register budget)
-    against kernels.py's Triton GEMM (its mm_config) and bf16 F.linear, per 7B shape and token count, in one run,
-    with the choice kernels.nvfp4_mm makes (kernels_ws.ws_config)."""
+def ws_alternatives(M, N, K, sms=132):
+    """The warp-specialized configs `--parts ws` times at M tokens: 64-token tiles (128 registers, two programs an SM)
+    up to 256 tokens, 128-token tiles (255 registers) above 64, each unsplit and split K ways for every K dividing the
+    K tiles (up to 8) that keeps <= 4 programs per SM."""
+    KT = -(-K // 128)
+    out = []
+    for BM in ((64,) if M <= 64 else (64, 128) if M <= 256 else (128,)):
+        tiles = -(-N // 64) * -(-M // BM)
+        for split in range(1, 9):
+            if KT % split == 0 and (split == 1 or tiles * split <= 4 * sms):
+                out.append(dict(BM=BM, maxnreg=128 if BM == 64 else None, SPLIT=split))
+    return out
+
+
+def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
+    """python bench.py kernels --parts ws: kernels_ws's warp-specialized GEMM (each token tile, register budget and K
+    split) against kernels.py's Triton GEMM (its mm_config) and bf16 F.linear, per 7B shape and token count, in one
+    run, with the choice kernels.nvfp4_mm makes (kernels_ws.ws_config)."""
     import kernels
     import kernels_ws
 
     rows = []
+    name_of = lambda c: f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}"                   # noqa: E731
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
@@ -205,7 +220,9 @@ def ws(out: dict, Ms=(24, 32, 48, 64, 128, 256, 512)):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             tri = kernels.mm_config(M, N, K)
             base = kernels_ws.ws_config(M, N, K)
-            alts = [dict(BM=64, maxnreg=128), dict(BM=64, maxnreg=None), dict(BM=128, maxnreg=None)]
+            alts = ws_alternatives(M, N, K)
+            if base is not None and base not in alts:
+                alts.append(base)
             ref = kernels.nvfp4_mm(x, wq[0], config=tri).float()
             for c in alts:
                 d = (kernels_ws.ws_mm(x, wq[0], config=c).float() - ref).abs().max().item()
@@ -214,10 +231,11 @@ def ws(out: dict, Ms=(24, 32, 48, 64, 128, 256, 512)):
                                 [lambda w=w: kernels.nvfp4_mm(x, w, config=tri) for w in wq],
                                 *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=c) for w in wq] for c in alts])
             best = min(range(len(alts)), key=lambda i: t[2 + i])
-            rows.append(dict(shape=name, M=M, bf16_us=t[0], triton_us=t[1], ws_cfg=base, ws_us=dict(zip(map(str, alts), t[2:])),
+            rows.append(dict(shape=name, M=M, bf16_us=t[0], triton_us=t[1], ws_cfg=base,
+                             ws_us={name_of(c): tc for c, tc in zip(alts, t[2:])},
                              dispatch_us=t[1] if base is None else t[2 + alts.index(base)]))
             print(f"{name:7s} M={M:4d} bf16 {t[0]:6.1f} us | triton {t[1]:6.1f} ({t[0] / t[1]:.2f}x) | ws "
-                  + " ".join(f"{c['BM']}/{c['maxnreg']}: {tc:6.1f} ({t[0] / tc:.2f}x)" for c, tc in zip(alts, t[2:]))
-                  + f" | best {alts[best]['BM']}/{alts[best]['maxnreg']}, dispatch: "
-                  + ("triton" if base is None else f"ws {base['BM']}/{base['maxnreg']}"), flush=True)
+                  + " ".join(f"{name_of(c)}: {tc:6.1f} ({t[0] / tc:.2f}x)" for c, tc in zip(alts, t[2:]))
+                  + f" | best {name_of(alts[best])}, dispatch: " + ("triton" if base is None else name_of(base)),
+                  flush=True)
     out["ws"] = rows

@@ -24,7 +24,7 @@ park partial sums in a workspace and the last one to finish (a counter per outpu
 call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
 On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
-says it wins (enough weight tiles without splitting K); everything else runs the kernel below.
+says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning.
 """

@@ -19,9 +19,10 @@ Here the roles are split:
 The weight tile is 64 rows (BN), the token tile BM = 64 or 128. A wgmma reads its register operand while in flight,
 and ptxas protects those registers only up to a loop back-edge (see _consumer), so the loop body is U = 4 (or 2, 1:
 a divisor of the K tiles) tiles long and drains its wgmmas at the end; tests/test_ws_sass.py checks the SASS.
-K is not split: where the tiles are too few to fill the GPU, kernels.py's split-K kernel runs.
+K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
+kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
-Leaves out: split-K, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU path (the reference is
+Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU path (the reference is
 kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing one token tile (with 12
 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured 0.69x of one group on qkv at 64
 tokens).
@@ -58,20 +59,35 @@ def usable(x2: torch.Tensor) -> bool:
             and x2.data_ptr() % 16 == 0 and _on_hopper(x2.device.index or 0))
 
 
-def ws_config(M: int, N: int, K: int) -> dict | None:
-    """The token tile for M tokens, or None where kernels.py's split-K Triton GEMM is faster (`python bench.py kernels
-    --parts ws`). Above 128 tokens: 128-token tiles (255 registers a thread, one program per SM). Up to 128 this
-    kernel, which does not split K, needs >= 64 tiles to fill the GPU and a short K: 64 or 128 tokens, whichever gives
-    >= 64 tiles, 64-token tiles with 128 registers (two programs per SM). On the 7B shapes at 64 tokens that leaves o
-    (56 tiles) and down (148 K tiles) to kernels.py, at 128 down."""
-    if M > 128:
-        return dict(BM=128, maxnreg=None)
-    if -(-K // 128) >= 64:
-        return None
-    for BM in ((64,) if M <= 64 else (128, 64)):
-        if -(-N // BN) * -(-M // BM) >= 64:
-            return dict(BM=BM, maxnreg=128 if BM == 64 else None)
-    return None
+def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
+    """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
+    `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; README). A 128-token program takes a
+    whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
+    the 132 SMs and how many token rows are padding:
+      * up to 64 tokens (64-token tiles): only for few weight tiles (<= 132) and a short K (< 64 tiles), split in 2
+        where that still fits (o: 1.09x of bf16, the Triton GEMM 1.05x; qkv unsplit 1.15x vs 1.04x); many tiles
+        (gate_up) and long K (down) tie with or lose to the Triton GEMM's own split-K;
+      * 65..256 tokens: 128-token tiles while they fit one wave; with room for twice as many programs, a long K
+        (down) splits in 2 (1.47x vs 1.32x at 128 tokens) and a short one (o) takes 64-token tiles (0.95x vs 0.81x).
+        Past one wave, 64-token tiles where they leave less padding (129..192 tokens: gate_up 0.97x vs 0.89x at 192)
+        and 128-token tiles elsewhere;
+      * above 256 tokens: 128-token tiles, unsplit."""
+    KT, NT = -(-K // 128), -(-N // BN)
+    p64, p128 = NT * -(-M // 64), NT * -(-M // 128)                      # programs with 64- / 128-token tiles
+    c64, c128 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None)
+    if M <= 64:
+        if p64 > sms or KT >= 64:
+            return None
+        return dict(c64, SPLIT=2) if 2 * p64 <= sms and KT % 2 == 0 else c64
+    if M > 256:
+        return c128
+    if 2 * p128 <= sms:                                           # room for twice the programs
+        if KT < 64:
+            return c64
+        return dict(c128, SPLIT=2) if KT % 2 == 0 else None
+    if p128 <= sms:
+        return c128
+    return c64 if -(-M // 64) * 64 < -(-M // 128) * 128 else c128
 
 
 if gluon is not None:
@@ -126,8 +142,9 @@ if gluon is not None:
         return words, mult
 
     @gluon.jit
-    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, M, N, n0, m0, NT, stride_ym,
-                  BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, HAS_BIAS: gl.constexpr):
+    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, n0, m0, NT,
+                  stride_ym, BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):
         # U K tiles per loop iteration, 8 async wgmmas each, each issued as soon as its block (16 K columns) is
         # dequantized, with up to 7 in flight. A wgmma reads its A operand (the weights) from registers while in
         # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
@@ -159,26 +176,49 @@ if gluon is not None:
         out = gl.convert_layout(acc * (2.0 ** 119 / gl.load(gs_ptr)), OUT)                   # (64, BM) fp32
         n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
         m = m0 + gl.arange(0, BM, gl.SliceLayout(0, OUT))
-        if HAS_BIAS:
-            out += gl.load(b_ptr + n, mask=n < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty),
-                 mask=(n[:, None] < N) & (m[None, :] < M))
+        mask = (n[:, None] < N) & (m[None, :] < M) & (m[None, :] >= gl.program_id(1) * BM)  # this tile's own rows
+        if SPLIT > 1:  # park the partial sum; the last of the SPLIT programs of this output tile adds them up
+            mp = gl.num_programs(1) * BM                                                     # padded token count
+            gl.store(ws_ptr + (gl.program_id(2) * mp + m[None, :]) * N + n[:, None], out, mask=mask)
+            gl.thread_barrier()                                    # every thread's partial is out before the count
+            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                out = gl.zeros((64, BM), gl.float32, OUT)
+                for s in range(SPLIT):
+                    out += gl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None], mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")          # no fence: the next launch sees it
+        else:
+            _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
 
     @gluon.jit
-    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, NT, S: gl.constexpr):
+    def _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS: gl.constexpr):
+        # y[m, n] = out (64, BM) fp32 (+ bias[n]), rounded once
+        if HAS_BIAS:
+            out += gl.load(b_ptr + n, mask=n < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
+        # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S
         nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
-        for t in range(NT):
-            s = t % S
-            mbarrier.wait(empty.index(s), ((t // S) & 1) ^ 1)       # passes at once on the first round of the ring
+        for j in range(NT):
+            s, t = j % S, t0 + j
+            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)       # passes at once on the first round of the ring
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready.index(s), w_bufs.index(s))
             tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready.index(s), s_bufs.index(s))
-            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready.index(s), x_bufs.index(s))  # OOB: zeros
+            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready.index(s), x_bufs.index(s))  # K OOB: zeros
 
     @gluon.jit
-    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, M, N, NP, KT, stride_ym,
-                   BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, HAS_BIAS: gl.constexpr):
-        n0, m0 = gl.program_id(0) * 64, gl.program_id(1) * BM
+    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, MX, N, NP, NT, stride_ym,
+                   BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+        # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
+        # With MX >= BM rows of x the last token tile is moved back to end at the last row: a TMA box reaching past
+        # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
+        # 130 us moved back); _consumer stores only the tile's own rows.
+        n0, m0 = gl.program_id(0) * 64, gl.minimum(gl.program_id(1) * BM, MX - BM)
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
@@ -188,28 +228,39 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, M, N, n0, m0, KT, stride_ym, BM,
-                         S, U, HAS_BIAS)),
-            (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, KT, S)),
+            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, n0, m0, NT,
+                         stride_ym, BM, S, U, SPLIT, HAS_BIAS)),
+            (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
+                       gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
-    config: dict(BM=64 or 128, maxnreg=registers a thread or None), default ws_config's (or BM = 128)."""
+    config: dict(BM=64 or 128, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles, default 1),
+    default ws_config's (or BM = 128)."""
     M, K = x2.shape
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
-    BM = cfg["BM"]
+    BM, split = cfg["BM"], cfg.get("SPLIT", 1)
+    if KT % split:
+        raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
+    NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16],
                                           gl.NVMMASharedLayout.get_default_for([BN, 16], gl.int32))
     s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4],
                                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    if M < BM and -(-w.n // BN) * split > 132:
+        # fewer tokens than a tile and more programs than SMs: pad the tokens (see _ws_kernel; gate_up at 96 tokens:
+        # 96 -> 75 us); with few programs a box past the rows costs nothing measurable and padding 3 us
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, BM - M))
     x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16))
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
-    U = next(u for u in (4, 2, 1) if u <= UNROLL and KT % u == 0)                        # K tiles per iteration
-    _ws_kernel[(-(-w.n // BN), -(-M // BM))](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y,
-                                            y, M, w.n, NP, KT, y.stride(0), BM=BM, S=STAGES, U=U,
-                                            HAS_BIAS=bias is not None, num_warps=4, maxnreg=cfg["maxnreg"])
+    grid = (-(-w.n // BN), -(-M // BM), split)
+    ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
+    U = next(u for u in (4, 2, 1) if u <= UNROLL and NT % u == 0)                        # K tiles per iteration
+    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt, M, x2.shape[0], w.n, NP,
+                     NT, y.stride(0), BM=BM, S=cfg.get("S", STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None, num_warps=4,
+                     maxnreg=cfg["maxnreg"])
     return y

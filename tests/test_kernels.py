@@ -104,9 +104,8 @@ def test_gemm_first_tile_peeled(device, cfg):
                                     (130, 96, 768), (200, 4608, 3584)])
 def test_ws_gemm_matches_reference(M, N, Kd):
     """kernels_ws (warp-specialized, Hopper) against fp32: K of 1 to 28 tiles (16 = the smallest, zero-filled by TMA;
-    loop bodies of 1, 2 and 4 tiles),
-    partial token and weight-row tiles, bias, both token tiles and register budgets; the same bits when repeated,
-    and as kernels.py's Triton GEMM with the same tile and no split."""
+    loop bodies of 1, 2 and 4 tiles), partial token and weight-row tiles, bias, both token tiles and register budgets,
+    K split 2 to 7 ways; the same bits when repeated, and as kernels.py's Triton GEMM with the same tile and split."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=M + N + Kd, device="cuda")
     x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
@@ -122,9 +121,36 @@ def test_ws_gemm_matches_reference(M, N, Kd):
             if b is None:  # the same products summed in the same order as the Triton kernel's unsplit 64-row tiles
                 tri = dict(BM=cfg["BM"], BN=64, SPLIT_K=1, num_warps=4, num_stages=3, PEEL=1)
                 assert torch.equal(y, K.nvfp4_mm(x, w, config=tri))
+        for split in (s for s in (2, 3, 4, 7) if w.words.shape[0] % s == 0):  # K split: partials, last one adds
+            cfg = dict(BM=64, maxnreg=128, SPLIT=split)
+            y = kernels_ws.ws_mm(x, w, b, config=cfg)
+            assert ((y.float() - y32).abs() <= tol).all(), (cfg, (y.float() - y32).abs().max())
+            for _ in range(2):  # again: the tile counters reset themselves
+                assert torch.equal(y, kernels_ws.ws_mm(x, w, b, config=cfg))
+            if b is None:  # the same split, partials and order as the Triton kernel's
+                tri = dict(BM=64, BN=64, SPLIT_K=split, num_warps=4, num_stages=3, PEEL=1)
+                assert torch.equal(y, K.nvfp4_mm(x, w, config=tri))
     cfg = kernels_ws.ws_config(M, N, Kd)
     if cfg is not None and M > K.WS_MIN_M:                                   # the dispatch runs it with this config
         assert torch.equal(K.nvfp4_mm(x, w, bias), kernels_ws.ws_mm(x, w, bias, cfg))
+
+
+def test_ws_config_is_launchable():
+    """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 49..1023 tokens, is a
+    config ws_mm runs: a 64- or 128-token tile with its register budget and a K split dividing the K tiles."""
+    import kernels_ws
+    shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 5120), (55296, 5120),
+              (5120, 27648), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 11008), (2560, 2048)]
+    seen = set()
+    for N, Kd in shapes:
+        for M in range(K.WS_MIN_M + 1, K.LARGE_M, 7):
+            cfg = kernels_ws.ws_config(M, N, Kd)
+            if cfg is None:
+                continue
+            seen.add((cfg["BM"], cfg.get("SPLIT", 1)))
+            assert set(cfg) <= {"BM", "maxnreg", "SPLIT"} and cfg["maxnreg"] == {64: 128, 128: None}[cfg["BM"]]
+            assert -(-Kd // 128) % cfg.get("SPLIT", 1) == 0, (M, N, Kd, cfg)
+    assert {(64, 1), (64, 2), (128, 1), (128, 2)} <= seen                     # every branch is taken somewhere
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -70,18 +70,19 @@ def overwrites(ins: list[tuple[int, str]]) -> list[str]:
     return bad
 
 
-def cubin_of(BM: int, S: int, U: int, maxnreg) -> bytes:
+def compiled(BM: int, S: int, U: int, maxnreg, split: int = 1):
     """The kernel's machine code for one configuration, compiled for sm_90a without a GPU."""
     wl = gl.NVMMASharedLayout.get_default_for([W.BN, 16], gl.int32)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     xl = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
     sig = {"w_desc": f"tensordesc<i32[{W.BN}, 16],{wl!r}>", "s_desc": f"tensordesc<i32[{W.BN // 2}, 4],{sl!r}>",
            "x_desc": f"tensordesc<bf16[{BM}, 128],{xl!r}>", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-           "M": "i32", "N": "i32", "NP": "i32", "KT": "i32", "stride_ym": "i32",
-           "BM": "constexpr", "S": "constexpr", "U": "constexpr", "HAS_BIAS": "constexpr"}
-    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, U=U, HAS_BIAS=True))
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "MX": "i32", "N": "i32", "NP": "i32", "NT": "i32",
+           "stride_ym": "i32",
+           "BM": "constexpr", "S": "constexpr", "U": "constexpr", "SPLIT": "constexpr", "HAS_BIAS": "constexpr"}
+    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, U=U, SPLIT=split, HAS_BIAS=True))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["cubin"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
 
 
 def test_scan_catches_an_overwrite():
@@ -98,13 +99,14 @@ def test_scan_catches_an_overwrite():
 
 
 @pytest.mark.skipif(not shutil.which("cuobjdump", path=BIN), reason="Triton's CUDA binaries are not installed")
-@pytest.mark.parametrize("BM,S,U,maxnreg", [(128, 4, 4, None), (64, 4, 4, 128), (128, 3, 1, None), (128, 4, 2, 168)])
-def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, U, maxnreg):
+@pytest.mark.parametrize("BM,S,U,maxnreg,split", [(128, 4, 4, None, 1), (64, 4, 4, 128, 1), (64, 4, 2, 128, 2),
+                                                  (128, 3, 1, None, 1), (128, 4, 2, 168, 1)])
+def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, U, maxnreg, split):
     """No instruction overwrites an in-flight wgmma's registers, in the configurations the dispatch uses and in the
     two (3 stages; 168 registers) that failed every run before, while the wgmmas do stay asynchronous (up to 7 in
-    flight: else the check would hold trivially)."""
+    flight: else the check would hold trivially), with and without split K."""
     path = tmp_path / "ws.cubin"
-    path.write_bytes(cubin_of(BM, S, U, maxnreg))
+    path.write_bytes(compiled(BM, S, U, maxnreg, split)["cubin"])
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(path)], check=True, capture_output=True,
                           text=True).stdout
     ins = parse(sass)
