@@ -25,7 +25,9 @@ kernels.py's workspace and the last to finish (a counter per tile) adds them up,
 Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU path (the reference is
 kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing one token tile (with 12
 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured 0.69x of one group on qkv at 64
-tokens).
+tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the token traffic per weight: qkv at 64
+tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's dequantization, not the token tiles'
+L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens).
 """
 import functools
 
@@ -215,10 +217,10 @@ if gluon is not None:
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, MX, N, NP, NT, stride_ym,
                    BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
-        # With MX >= BM rows of x the last token tile is moved back to end at the last row: a TMA box reaching past
+        # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
         # 130 us moved back); _consumer stores only the tile's own rows.
-        n0, m0 = gl.program_id(0) * 64, gl.minimum(gl.program_id(1) * BM, MX - BM)
+        n0, m0 = gl.program_id(0) * 64, gl.maximum(gl.minimum(gl.program_id(1) * BM, MX - BM), 0)
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
@@ -237,8 +239,8 @@ if gluon is not None:
 
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
-    config: dict(BM=64 or 128, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles, default 1),
-    default ws_config's (or BM = 128)."""
+    config: dict(BM=64 or 128, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
+    S=ring stages (default STAGES)), default ws_config's (or BM = 128)."""
     M, K = x2.shape
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
@@ -260,7 +262,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     grid = (-(-w.n // BN), -(-M // BM), split)
     ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
     U = next(u for u in (4, 2, 1) if u <= UNROLL and NT % u == 0)                        # K tiles per iteration
-    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt, M, x2.shape[0], w.n, NP,
-                     NT, y.stride(0), BM=BM, S=cfg.get("S", STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None, num_warps=4,
-                     maxnreg=cfg["maxnreg"])
+    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt, M,
+                     x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM, S=cfg.get("S", STAGES), U=U, SPLIT=split,
+                     HAS_BIAS=bias is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
