@@ -3,7 +3,7 @@ layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls i
 (where ws_config says it wins).
 
     python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
-    python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and register budget
+    python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -22,12 +22,13 @@ a divisor of the K tiles) tiles long and drains its wgmmas at the end; tests/tes
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
-Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU path (the reference is
-kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing one token tile (with 12
-warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured 0.69x of one group on qkv at 64
-tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the token traffic per weight: qkv at 64
-tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's dequantization, not the token tiles'
-L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens).
+Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM),
+a CPU path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups
+sharing one token tile (with 12 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured
+0.69x of one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the
+token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
+dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
+a persistent stream-K schedule (what M = 64 would need next: qkv's 72 weight tiles split in two overfill 132 SMs).
 """
 import functools
 
