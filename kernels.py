@@ -162,16 +162,18 @@ if triton is not None:
     mov.b32 $0, {h0, h0}; mov.b32 $1, {h1, h1}; mov.b32 $2, {h2, h2}; mov.b32 $3, {h3, h3};
     mov.b32 $4, {h4, h4}; mov.b32 $5, {h5, h5}; mov.b32 $6, {h6, h6}; mov.b32 $7, {h7, h7};
     }""")
-    # a pair of words (columns 2p, 2p+1) -> 8 bf16x2 registers, block r = 0..7, times the multipliers $10 + 2r
-    def _code_ptx(h, w, o):
+    def _bits_ptx(w, o):
+        # word w -> t0: the bf16x2 bits (sign, magnitude) of block slot o, by ROT[o] (t1 scratch); kernels_ws uses it
         a, b = ROT[o]
         mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
         if a == b:
-            bits = " and.b32 t0, t0, 0x81C081C0;"
-        else:
-            bits = (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
-                    f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
-        return mag + bits + f" mul.rn.bf16x2 ${4 * h + o}, t0, ${10 + 2 * (4 * h + o)};\n"
+            return mag + " and.b32 t0, t0, 0x81C081C0;"
+        return mag + (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
+                      f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
+
+    # a pair of words (columns 2p, 2p+1) -> 8 bf16x2 registers, block r = 0..7, times the multipliers $10 + 2r
+    def _code_ptx(h, w, o):
+        return _bits_ptx(w, o) + f" mul.rn.bf16x2 ${4 * h + o}, t0, ${10 + 2 * (4 * h + o)};\n"
 
     _CODE_ASM = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
         _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")

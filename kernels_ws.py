@@ -112,15 +112,8 @@ if gluon is not None:
     def _block_ptx(r):
         # kernels._code_ptx for one block r: the pair of words (columns 2p, 2p + 1: $1 blocks 0-3, $2 blocks 4-7)
         # -> the bf16x2 $0 of block r, times its multiplier $3
-        a, b = kernels.ROT[r % 4]
-        w = "$1" if r < 4 else "$2"
-        mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
-        if a == b:
-            bits = " and.b32 t0, t0, 0x81C081C0;"
-        else:
-            bits = (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
-                    f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
-        return "{ .reg .b32 t<2>; " + mag + bits + " mul.rn.bf16x2 $0, t0, $3; }"
+        bits = kernels._bits_ptx("$1" if r < 4 else "$2", r % 4)
+        return "{ .reg .b32 t<2>; " + bits + " mul.rn.bf16x2 $0, t0, $3; }"
 
     _BLOCK_ASM = gl.constexpr(tuple(_block_ptx(r) for r in range(8)))
 
