@@ -4,7 +4,7 @@
     python bench.py kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
     python bench.py kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
     python bench.py kernels --parts splits  # every split-K count per shape at M = 1 / 16 / 64
-    python bench.py kernels --parts ws      # kernels_ws's warp-specialized GEMM vs the Triton one, 24-512 tokens
+    python bench.py kernels --parts ws      # kernels_ws's warp-specialized GEMM vs the Triton one, 32-768 tokens
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
