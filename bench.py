@@ -436,6 +436,8 @@ def main(argv=None):
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
                          "warp-specialized GEMM of kernels_ws against the Triton one; see bench_sweep)")
+    ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
+                    help="with --parts ws: token counts M")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -473,7 +475,7 @@ def main(argv=None):
     if "ablate" in parts or "splits" in parts or "ws" in parts:
         import bench_sweep
         if "ws" in parts:
-            bench_sweep.ws(out)
+            bench_sweep.ws(out, [int(m) for m in args.ws_m.split(",")])
         if "ablate" in parts:
             bench_sweep.ablate(out)
         if "splits" in parts:

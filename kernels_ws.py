@@ -28,7 +28,10 @@ sharing one token tile (with 12 warps a thread gets at most 168 registers and pt
 0.69x of one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the
 token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
 dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
-a persistent stream-K schedule (what M = 64 would need next: qkv's 72 weight tiles split in two overfill 132 SMs).
+a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's programs adds the
+parked partials): slower where it was meant to help (qkv at 64 tokens over 132 programs 16.5 us, one program per
+weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster only at 224-384 tokens, and its per-tile
+bookkeeping made every other call 8-13% slower, so it was dropped.
 """
 import functools
 
@@ -40,8 +43,7 @@ import kernels
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own kernel
     gluon = None
@@ -146,7 +148,10 @@ if gluon is not None:
         # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
         # loop back-edge: with wgmmas in flight from one iteration to the next, the next tile's dequantization
         # overwrote their operands (wrong results in 23 of 240 runs; with 3 stages or 168 registers, every run). So
-        # every iteration ends with all its wgmmas complete, and U tiles per iteration pay for that drain.
+        # every iteration ends with all its wgmmas complete, and U tiles per iteration pay for that drain. A stage goes
+        # back to the loader by an mbarrier arrive (release semantics) once its reads are done (the words and scales
+        # loaded to registers, its wgmmas retired by a wait); the loader's wait (acquire) orders its next TMA writes
+        # after them, with no proxy fence (one per release cost 1-4%: 2% geomean over 19 dispatched shapes).
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         acc = gl.zeros((64, BM), gl.float32, MMA)
@@ -162,11 +167,9 @@ if gluon is not None:
                     else:
                         acc = warpgroup_mma(q, xt.slice(16 * r, 16), acc, is_async=True)
                     acc = warpgroup_mma_wait(7, deps=[acc])
-                if u > 0:
-                    fence_async_shared()               # tile i-1's wgmmas are done (<= 7 in flight): free its stage
+                if u > 0:                              # tile i-1's wgmmas are done (<= 7 in flight): free its stage
                     mbarrier.arrive(empty.index((i + S - 1) % S))
             acc = warpgroup_mma_wait(0, deps=[acc])
-            fence_async_shared()
             mbarrier.arrive(empty.index((i0 + U - 1) % S))
         OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
         out = gl.convert_layout(acc * (2.0 ** 119 / gl.load(gs_ptr)), OUT)                   # (64, BM) fp32

@@ -135,6 +135,27 @@ def test_ws_gemm_matches_reference(M, N, Kd):
         assert torch.equal(K.nvfp4_mm(x, w, bias), kernels_ws.ws_mm(x, w, bias, cfg))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Gluon kernels have no CPU interpreter)")
+@pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
+    """At the 7B linear shapes, kernels_ws gives the same bits as kernels.py's Triton GEMM with the same tile and K
+    split (64-512 tokens, partial token tiles, 3-5 stages, 128 / 168 / 255 registers), and meets the fp32 tolerance:
+    the check that caught in-flight wgmma operands being overwritten (tests/test_ws_sass.py)."""
+    import kernels_ws
+    w, _ = make_weight(N, Kd, seed=N + Kd, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(N)
+    for M, (BM, nreg, S, split) in [(64, (64, 128, 4, 1)), (200, (128, None, 3, 1)), (200, (64, 128, 5, 2)),
+                                    (512, (128, 168, 4, 1)), (100, (128, None, 4, 2))]:
+        x = torch.randn(M, Kd, device="cuda", generator=g).to(torch.bfloat16)
+        if not kernels_ws.usable(x):
+            pytest.skip("needs a Hopper GPU and Triton's Gluon")
+        y = kernels_ws.ws_mm(x, w, config=dict(BM=BM, maxnreg=nreg, S=S, SPLIT=split))
+        tri = dict(BM=BM, BN=64, SPLIT_K=split, num_warps=4, num_stages=3, PEEL=1)
+        assert torch.equal(y, K.nvfp4_mm(x, w, config=tri)), (M, BM, nreg, S, split)
+        y32, tol = expected(x, w)
+        assert ((y.float() - y32).abs() <= tol).all(), (M, (y.float() - y32).abs().max())
+
+
 def test_ws_config_is_launchable():
     """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 49..1023 tokens, is a
     config ws_mm runs: a 64- or 128-token tile with its register budget and a K split dividing the K tiles."""
