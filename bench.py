@@ -5,6 +5,7 @@
     python bench.py kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
     python bench.py kernels --parts splits  # every split-K count per shape at M = 1 / 16 / 64
     python bench.py kernels --parts ws      # kernels_ws's warp-specialized GEMM vs the Triton one, 32-768 tokens
+    python bench.py kernels --parts stamps  # where kernels_ws's programs spend their time (global-timer stamps)
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
@@ -435,7 +436,8 @@ def main(argv=None):
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
-                         "warp-specialized GEMM of kernels_ws against the Triton one; see bench_sweep)")
+                         "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' time goes; see "
+                         "bench_sweep)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
@@ -472,8 +474,10 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
-    if "ablate" in parts or "splits" in parts or "ws" in parts:
+    if {"ablate", "splits", "ws", "stamps"} & set(parts):
         import bench_sweep
+        if "stamps" in parts:
+            bench_sweep.stamps(out)
         if "ws" in parts:
             bench_sweep.ws(out, [int(m) for m in args.ws_m.split(",")])
         if "ablate" in parts:

@@ -1,6 +1,7 @@
 """bench_sweep.py: the candidate GEMM tile configs that `python bench.py kernels --sweep` times, and their compilation
 in parallel processes (so the timing process finds every config cached); the ablation of the GEMM main loop that
-`python bench.py kernels --parts ablate` times. Imported by bench.py; needs a CUDA GPU.
+`python bench.py kernels --parts ablate` times; kernels_ws's GEMM against the Triton one (`--parts ws`) and where
+its programs' time goes (`--parts stamps`). Imported by bench.py; needs a CUDA GPU.
 """
 import json
 import sys
@@ -239,3 +240,42 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
                   + f" | best {name_of(alts[best])}, dispatch: " + ("triton" if base is None else name_of(base)),
                   flush=True)
     out["ws"] = rows
+
+
+def stamps(out: dict):
+    """python bench.py kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
+    read by each program at its start, when its first tile has landed, after its K loop and after its store (the
+    split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
+    and qkv at 256 tokens (two waves of 128-token programs)."""
+    import kernels_ws
+
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for name, M, cfg in [("o", 64, dict(BM=64, maxnreg=128)), ("o", 64, dict(BM=64, maxnreg=128, SPLIT=2)),
+                         ("o", 64, dict(BM=64, maxnreg=128, SPLIT=7)), ("qkv", 64, dict(BM=64, maxnreg=128)),
+                         ("qkv", 64, dict(BM=64, maxnreg=128, SPLIT=2)), ("gate_up", 64, dict(BM=64, maxnreg=128)),
+                         ("qkv", 256, dict(BM=128, maxnreg=None))]:
+        N, K = bench.SHAPES_7B[name]
+        _, (w,) = bench.random_nvfp4(N, K, 1)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        programs = -(-N // 64) * -(-M // cfg["BM"]) * cfg.get("SPLIT", 1)
+        st = torch.zeros(programs, 4, dtype=torch.int64, device="cuda")
+        for _ in range(3):                                     # compile, warm up, then the call that is read
+            flush.zero_()
+            torch.cuda.synchronize()
+            kernels_ws.ws_mm(x, w, config=cfg, stamps=st)
+        torch.cuda.synchronize()
+        t = (st - st[:, 0].min()).double().cpu() / 1e3                                   # (programs, 4) us
+        med = lambda v: v.median().item()                                                # noqa: E731
+        tiles = -(-K // 128) // cfg.get("SPLIT", 1)                                      # K tiles a program
+        row = dict(shape=name, M=M, cfg=cfg, programs=programs, span_us=t[:, 3].max().item(),
+                   late_start_us=t[:, 0].max().item(), first_tile_us=med(t[:, 1] - t[:, 0]),
+                   loop_us=med(t[:, 2] - t[:, 1]), per_k_tile_us=med(t[:, 2] - t[:, 1]) / tiles,
+                   epilogue_us=med(t[:, 3] - t[:, 2]), epilogue_max_us=(t[:, 3] - t[:, 2]).max().item())
+        rows.append(row)
+        print(f"{name:7s} M={M:3d} {cfg}: {programs} programs, span {row['span_us']:.1f} us (last start "
+              f"{row['late_start_us']:.1f}) | medians: first tile {row['first_tile_us']:.2f}, K loop "
+              f"{row['loop_us']:.2f}"
+              f" ({row['per_k_tile_us']:.3f} per K tile), store / split-K fixup {row['epilogue_us']:.2f} "
+              f"(max {row['epilogue_max_us']:.2f}) us", flush=True)
+    out["stamps"] = rows

@@ -4,6 +4,7 @@ layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls i
 
     python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
     python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
+    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, README)
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -140,9 +141,17 @@ if gluon is not None:
         return words, mult
 
     @gluon.jit
-    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, n0, m0, NT,
-                  stride_ym, BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):
+    def _stamp(st_ptr, j: gl.constexpr):
+        # the global timer (ns) into st_ptr[program, j]: where a program's time goes (bench.py kernels --parts stamps)
+        z = gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0]))
+        ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=gl.int64, is_pure=False, pack=1)
+        p = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
+        gl.store(st_ptr + p * 4 + j + z * 0, ns, mask=z == 0)
+
+    @gluon.jit
+    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0, m0,
+                  NT, stride_ym, BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, STAMP: gl.constexpr):
         # U K tiles per loop iteration, 8 async wgmmas each, each issued as soon as its block (16 K columns) is
         # dequantized, with up to 7 in flight. A wgmma reads its A operand (the weights) from registers while in
         # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
@@ -155,6 +164,10 @@ if gluon is not None:
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         acc = gl.zeros((64, BM), gl.float32, MMA)
+        if STAMP:  # start, first tile landed, loop done, stored
+            _stamp(st_ptr, 0)
+            mbarrier.wait(ready.index(0), 0)
+            _stamp(st_ptr, 1)
         for i0 in range(0, NT, U):                                  # U divides NT (ws_mm)
             for u in gl.static_range(U):
                 i = i0 + u
@@ -171,6 +184,8 @@ if gluon is not None:
                     mbarrier.arrive(empty.index((i + S - 1) % S))
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((i0 + U - 1) % S))
+        if STAMP:
+            _stamp(st_ptr, 2)
         OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
         out = gl.convert_layout(acc * (2.0 ** 119 / gl.load(gs_ptr)), OUT)                   # (64, BM) fp32
         n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
@@ -190,6 +205,8 @@ if gluon is not None:
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")          # no fence: the next launch sees it
         else:
             _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
+        if STAMP:
+            _stamp(st_ptr, 3)
 
     @gluon.jit
     def _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS: gl.constexpr):
@@ -211,8 +228,9 @@ if gluon is not None:
             tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready.index(s), x_bufs.index(s))  # K OOB: zeros
 
     @gluon.jit
-    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, MX, N, NP, NT, stride_ym,
-                   BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, MX, N, NP, NT, stride_ym,
+                   BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -227,17 +245,20 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
-            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, n0, m0, NT,
-                         stride_ym, BM, S, U, SPLIT, HAS_BIAS)),
+            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0,
+                         m0, NT, stride_ym, BM, S, U, SPLIT, HAS_BIAS, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
                        gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
-def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None) -> torch.Tensor:
+def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
+          stamps: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
     config: dict(BM=64 or 128, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
-    S=ring stages (default STAGES)), default ws_config's (or BM = 128)."""
+    S=ring stages (default STAGES)), default ws_config's (or BM = 128). stamps: an int64 tensor of 4 x programs that
+    receives each program's global timer (ns) at its start, first tile landed, loop done and output stored (a
+    separate build; the bits of y are the same)."""
     M, K = x2.shape
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
@@ -259,7 +280,10 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     grid = (-(-w.n // BN), -(-M // BM), split)
     ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
     U = next(u for u in (4, 2, 1) if u <= UNROLL and NT % u == 0)                        # K tiles per iteration
-    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt, M,
-                     x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM, S=cfg.get("S", STAGES), U=U, SPLIT=split,
-                     HAS_BIAS=bias is not None, num_warps=4, maxnreg=cfg["maxnreg"])
+    if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * grid[2]:
+        raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * grid[2]} int64 entries, got {stamps.numel()}")
+    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
+                     stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
+                     S=cfg.get("S", STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None, STAMP=stamps is not None,
+                     num_warps=4, maxnreg=cfg["maxnreg"])
     return y

@@ -139,8 +139,9 @@ def test_ws_gemm_matches_reference(M, N, Kd):
 @pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
     """At the 7B linear shapes, kernels_ws gives the same bits as kernels.py's Triton GEMM with the same tile and K
-    split (64-512 tokens, partial token tiles, 3-5 stages, 128 / 168 / 255 registers), and meets the fp32 tolerance:
-    the check that caught in-flight wgmma operands being overwritten (tests/test_ws_sass.py)."""
+    split (64-512 tokens, partial token tiles, 3-5 stages, 128 / 168 / 255 registers), with and without its timer
+    stamps, and meets the fp32 tolerance: the check that caught in-flight wgmma operands being overwritten
+    (tests/test_ws_sass.py)."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=N + Kd, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(N)
@@ -150,6 +151,9 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
         if not kernels_ws.usable(x):
             pytest.skip("needs a Hopper GPU and Triton's Gluon")
         y = kernels_ws.ws_mm(x, w, config=dict(BM=BM, maxnreg=nreg, S=S, SPLIT=split))
+        st = torch.zeros(4 * (-(-N // 64)) * (-(-M // BM)) * split, dtype=torch.int64, device="cuda")
+        assert torch.equal(y, kernels_ws.ws_mm(x, w, config=dict(BM=BM, maxnreg=nreg, S=S, SPLIT=split), stamps=st))
+        assert (st > 0).all() and (st.view(-1, 4).diff(dim=1) >= 0).all()      # each program's 4 stamps, in order
         tri = dict(BM=BM, BN=64, SPLIT_K=split, num_warps=4, num_stages=3, PEEL=1)
         assert torch.equal(y, K.nvfp4_mm(x, w, config=tri)), (M, BM, nreg, S, split)
         y32, tol = expected(x, w)
