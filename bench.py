@@ -436,8 +436,8 @@ def main(argv=None):
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
-                         "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' time goes; see "
-                         "bench_sweep)")
+                         "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' "
+                         "time goes; see bench_sweep)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
