@@ -78,7 +78,8 @@ def compiled(BM: int, S: int, U: int, maxnreg, split: int = 1):
     sig = {"w_desc": f"tensordesc<i32[{W.BN}, 16],{wl!r}>", "s_desc": f"tensordesc<i32[{W.BN // 2}, 4],{sl!r}>",
            "x_desc": f"tensordesc<bf16[{BM}, 128],{xl!r}>", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "M": "i32", "MX": "i32", "N": "i32", "NP": "i32",
-           "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "U": "constexpr", "SPLIT": "constexpr", "HAS_BIAS": "constexpr"}
+           "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "U": "constexpr", "SPLIT": "constexpr",
+           "HAS_BIAS": "constexpr"}
     src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, U=U, SPLIT=split, HAS_BIAS=True))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
