@@ -193,11 +193,11 @@ def splits(out: dict):
 
 def ws_alternatives(M, N, K, sms=132):
     """The warp-specialized configs `--parts ws` times at M tokens: 64-token tiles (128 registers, two programs an SM)
-    up to 256 tokens, 128-token tiles (255 registers) above 64, each unsplit and split K ways for every K dividing the
-    K tiles (up to 8) that keeps <= 4 programs per SM."""
+    up to 256 tokens, 128-token tiles (255 registers) above 64, 256-token tiles above 192, each unsplit and split K
+    ways for every K dividing the K tiles (up to 8) that keeps <= 4 programs per SM."""
     KT = -(-K // 128)
     out = []
-    for BM in ((64,) if M <= 64 else (64, 128) if M <= 256 else (128,)):
+    for BM in ((64,) if M <= 64 else (64, 128) if M <= 192 else (64, 128, 256) if M <= 256 else (128, 256)):
         tiles = -(-N // 64) * -(-M // BM)
         for split in range(1, 9):
             if KT % split == 0 and (split == 1 or tiles * split <= 4 * sms):
@@ -246,7 +246,7 @@ def stamps(out: dict):
     """python bench.py kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
     read by each program at its start, when its first tile has landed, after its K loop and after its store (the
     split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
-    and qkv at 256 tokens (two waves of 128-token programs)."""
+    qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
     import kernels_ws
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -254,7 +254,8 @@ def stamps(out: dict):
     for name, M, cfg in [("o", 64, dict(BM=64, maxnreg=128)), ("o", 64, dict(BM=64, maxnreg=128, SPLIT=2)),
                          ("o", 64, dict(BM=64, maxnreg=128, SPLIT=7)), ("qkv", 64, dict(BM=64, maxnreg=128)),
                          ("qkv", 64, dict(BM=64, maxnreg=128, SPLIT=2)), ("gate_up", 64, dict(BM=64, maxnreg=128)),
-                         ("qkv", 256, dict(BM=128, maxnreg=None))]:
+                         ("qkv", 256, dict(BM=128, maxnreg=None)), ("qkv", 256, dict(BM=256, maxnreg=None)),
+                         ("o", 512, dict(BM=256, maxnreg=None))]:
         N, K = bench.SHAPES_7B[name]
         _, (w,) = bench.random_nvfp4(N, K, 1)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -17,9 +17,15 @@ Here the roles are split:
     PTX: the same layout and the same bit tricks) and issues its wgmma at once, asynchronously, with the token tile
     as the shared-memory operand and up to 7 wgmmas in flight; it hands a stage back to the loader (an "empty"
     mbarrier) when the next tile's wgmmas show that the stage's have completed.
-The weight tile is 64 rows (BN), the token tile BM = 64 or 128. A wgmma reads its register operand while in flight,
-and ptxas protects those registers only up to a loop back-edge (see _consumer), so the loop body is U = 4 (or 2, 1:
-a divisor of the K tiles) tiles long and drains its wgmmas at the end; tests/test_ws_sass.py checks the SASS.
+The weight tile is 64 rows (BN), the token tile BM = 64, 128 or 256. A 256-token program dequantizes each weight
+once for twice the tokens: its K loop takes 0.73 us a K tile against 0.45 us at 128 tokens, its wgmmas at about 80%
+of the tensor cores' peak, so it wins where it needs fewer waves of programs (qkv at 256 tokens: 72 programs, 21.2 us,
+against two waves of 128-token ones, 27.3 us). Its 3 x 68.5 KB ring leaves no room for the 64 KB that converting
+the accumulator to the store layout takes, so the tile goes through token stage 0 after the loop, transposed and
+swizzled (1.4 us; 3.8 us with the plain row-major layout's 8-way bank conflicts).
+A wgmma reads its register operand while in flight, and ptxas protects those registers only up to a loop back-edge
+(see _consumer), so the loop body is U = 4 (or 2, 1: a divisor of the K tiles) tiles long and drains its wgmmas at
+the end; tests/test_ws_sass.py checks the SASS.
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
@@ -50,7 +56,8 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
     gluon = None
 
 BN = 64          # weight rows per program: one warp group's wgmma M
-STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens)
+STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens; 3 x 68.5 KB at 256 tokens)
+T256 = 1.65      # a 256-token program's time over a 128-token one's, same K (python bench.py kernels --parts ws)
 UNROLL = 4       # K tiles per consumer loop iteration, at most (ws_mm takes the largest of 4, 2, 1 dividing them)
 
 
@@ -65,6 +72,10 @@ def usable(x2: torch.Tensor) -> bool:
             and x2.data_ptr() % 16 == 0 and _on_hopper(x2.device.index or 0))
 
 
+def _waves(programs: int, sms: int) -> int:
+    return -(-programs // sms)
+
+
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
     `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; README). A 128-token program takes a
@@ -77,22 +88,26 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
         (down) splits in 2 (1.47x vs 1.32x at 128 tokens) and a short one (o) takes 64-token tiles (0.95x vs 0.81x).
         Past one wave, 64-token tiles where they leave less padding (129..192 tokens: gate_up 0.97x vs 0.89x at 192)
         and 128-token tiles elsewhere;
-      * above 256 tokens: 128-token tiles, unsplit."""
+      * 193..1023 tokens: 256-token tiles (one program an SM, 3 stages) where their waves of programs, each T256 =
+        1.65 times as long as a 128-token wave, take less time than the 128-token tiles' waves (o at 512 tokens: one
+        wave of 24.6 us against two of 14.9 us; qkv at 256 tokens 23.5 vs 27.4 us); else 128-token tiles, unsplit."""
     KT, NT = -(-K // 128), -(-N // BN)
-    p64, p128 = NT * -(-M // 64), NT * -(-M // 128)                      # programs with 64- / 128-token tiles
-    c64, c128 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None)
+    p64, p128, p256 = NT * -(-M // 64), NT * -(-M // 128), NT * -(-M // 256)     # programs with 64- .. 256-token tiles
+    c64, c128, c256 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)
     if M <= 64:
         if p64 > sms or KT >= 64:
             return None
         return dict(c64, SPLIT=2) if 2 * p64 <= sms and KT % 2 == 0 else c64
     if M > 256:
-        return c128
+        return c256 if _waves(p256, sms) * T256 < _waves(p128, sms) else c128
     if 2 * p128 <= sms:                                           # room for twice the programs
         if KT < 64:
             return c64
         return dict(c128, SPLIT=2) if KT % 2 == 0 else None
     if p128 <= sms:
         return c128
+    if M > 192 and _waves(p256, sms) * T256 < _waves(p128, sms):
+        return c256
     return c64 if -(-M // 64) * 64 < -(-M // 128) * 128 else c128
 
 
@@ -187,7 +202,17 @@ if gluon is not None:
         if STAMP:
             _stamp(st_ptr, 2)
         OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
-        out = gl.convert_layout(acc * (2.0 ** 119 / gl.load(gs_ptr)), OUT)                   # (64, BM) fp32
+        out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
+        if BM == 256:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
+            # holds the tile transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from
+            # the wgmma layout, 32-byte reads in the layout of the global stores
+            buf = x_bufs.index(0)._reinterpret(gl.float32, [BM, 64], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
+            buf.store(gl.permute(out, [1, 0]))
+            gl.thread_barrier()
+            out = gl.permute(buf.load(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])), [1, 0])
+            out = gl.convert_layout(out, OUT, assert_trivial=True)
+        else:
+            out = gl.convert_layout(out, OUT)
         n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
         m = m0 + gl.arange(0, BM, gl.SliceLayout(0, OUT))
         mask = (n[:, None] < N) & (m[None, :] < M) & (m[None, :] >= gl.program_id(1) * BM)  # this tile's own rows
@@ -255,14 +280,16 @@ if gluon is not None:
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
           stamps: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
-    config: dict(BM=64 or 128, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
-    S=ring stages (default STAGES)), default ws_config's (or BM = 128). stamps: an int64 tensor of 4 x programs that
-    receives each program's global timer (ns) at its start, first tile landed, loop done and output stored (a
-    separate build; the bits of y are the same)."""
+    config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default
+    1), S=ring stages (default STAGES, 3 at BM = 256)), default ws_config's (or BM = 128). stamps: an int64 tensor of
+    4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
+    stored (a separate build; the bits of y are the same)."""
     M, K = x2.shape
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
     BM, split = cfg["BM"], cfg.get("SPLIT", 1)
+    if BM not in (64, 128, 256):
+        raise ValueError(f"BM (tokens per program) must be 64, 128 or 256, got {BM}")
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
     NT = KT // split                                                                     # K tiles per program
@@ -284,6 +311,6 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * grid[2]} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
-                     S=cfg.get("S", STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None, STAMP=stamps is not None,
-                     num_warps=4, maxnreg=cfg["maxnreg"])
+                     S=cfg.get("S", 3 if BM == 256 else STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None,
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

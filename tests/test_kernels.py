@@ -104,7 +104,7 @@ def test_gemm_first_tile_peeled(device, cfg):
                                     (130, 96, 768), (200, 4608, 3584)])
 def test_ws_gemm_matches_reference(M, N, Kd):
     """kernels_ws (warp-specialized, Hopper) against fp32: K of 1 to 28 tiles (16 = the smallest, zero-filled by TMA;
-    loop bodies of 1, 2 and 4 tiles), partial token and weight-row tiles, bias, both token tiles and register budgets,
+    loop bodies of 1, 2 and 4 tiles), partial token and weight-row tiles, bias, each token tile and register budget,
     K split 2 to 7 ways; the same bits when repeated, and as kernels.py's Triton GEMM with the same tile and split."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=M + N + Kd, device="cuda")
@@ -114,11 +114,12 @@ def test_ws_gemm_matches_reference(M, N, Kd):
     bias = torch.randn(N, device="cuda").to(torch.bfloat16)
     for b in (None, bias):
         y32, tol = expected(x, w, b)
-        for cfg in (dict(BM=64, maxnreg=128), dict(BM=64, maxnreg=None), dict(BM=128, maxnreg=None)):
+        for cfg in (dict(BM=64, maxnreg=128), dict(BM=64, maxnreg=None), dict(BM=128, maxnreg=None),
+                    dict(BM=256, maxnreg=None)):
             y = kernels_ws.ws_mm(x, w, b, config=cfg)
             assert y.shape == (M, N) and ((y.float() - y32).abs() <= tol).all(), (cfg, (y.float() - y32).abs().max())
             assert torch.equal(y, kernels_ws.ws_mm(x, w, b, config=cfg))
-            if b is None:  # the same products summed in the same order as the Triton kernel's unsplit 64-row tiles
+            if b is None and cfg["BM"] < 256:  # the same products in the same order as the Triton kernel's tiles
                 tri = dict(BM=cfg["BM"], BN=64, SPLIT_K=1, num_warps=4, num_stages=3, PEEL=1)
                 assert torch.equal(y, K.nvfp4_mm(x, w, config=tri))
         for split in (s for s in (2, 3, 4, 7) if w.words.shape[0] % s == 0):  # K split: partials, last one adds
@@ -139,14 +140,16 @@ def test_ws_gemm_matches_reference(M, N, Kd):
 @pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
     """At the 7B linear shapes, kernels_ws gives the same bits as kernels.py's Triton GEMM with the same tile and K
-    split (64-512 tokens, partial token tiles, 3-5 stages, 128 / 168 / 255 registers), with and without its timer
+    split (64-512 tokens, 64 / 128 / 256-token tiles, partial token tiles, 2-5 stages, 128 / 168 / 255 registers),
+    with and without its timer
     stamps, and meets the fp32 tolerance: the check that caught in-flight wgmma operands being overwritten
     (tests/test_ws_sass.py)."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=N + Kd, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(N)
     for M, (BM, nreg, S, split) in [(64, (64, 128, 4, 1)), (200, (128, None, 3, 1)), (200, (64, 128, 5, 2)),
-                                    (512, (128, 168, 4, 1)), (100, (128, None, 4, 2))]:
+                                    (512, (128, 168, 4, 1)), (100, (128, None, 4, 2)), (300, (256, None, 3, 1)),
+                                    (256, (256, None, 2, 2))]:
         x = torch.randn(M, Kd, device="cuda", generator=g).to(torch.bfloat16)
         if not kernels_ws.usable(x):
             pytest.skip("needs a Hopper GPU and Triton's Gluon")
@@ -154,7 +157,7 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
         st = torch.zeros(4 * (-(-N // 64)) * (-(-M // BM)) * split, dtype=torch.int64, device="cuda")
         assert torch.equal(y, kernels_ws.ws_mm(x, w, config=dict(BM=BM, maxnreg=nreg, S=S, SPLIT=split), stamps=st))
         assert (st > 0).all() and (st.view(-1, 4).diff(dim=1) >= 0).all()      # each program's 4 stamps, in order
-        tri = dict(BM=BM, BN=64, SPLIT_K=split, num_warps=4, num_stages=3, PEEL=1)
+        tri = dict(BM=BM, BN=64, SPLIT_K=split, num_warps=4, num_stages=3 if BM < 256 else 2, PEEL=1)
         assert torch.equal(y, K.nvfp4_mm(x, w, config=tri)), (M, BM, nreg, S, split)
         y32, tol = expected(x, w)
         assert ((y.float() - y32).abs() <= tol).all(), (M, (y.float() - y32).abs().max())
@@ -162,7 +165,7 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
 
 def test_ws_config_is_launchable():
     """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 49..1023 tokens, is a
-    config ws_mm runs: a 64- or 128-token tile with its register budget and a K split dividing the K tiles."""
+    config ws_mm runs: a 64-, 128- or 256-token tile with its register budget and a K split dividing the K tiles."""
     import kernels_ws
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 5120), (55296, 5120),
               (5120, 27648), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 11008), (2560, 2048)]
@@ -173,9 +176,10 @@ def test_ws_config_is_launchable():
             if cfg is None:
                 continue
             seen.add((cfg["BM"], cfg.get("SPLIT", 1)))
-            assert set(cfg) <= {"BM", "maxnreg", "SPLIT"} and cfg["maxnreg"] == {64: 128, 128: None}[cfg["BM"]]
+            assert set(cfg) <= {"BM", "maxnreg", "SPLIT"}
+            assert cfg["maxnreg"] == {64: 128, 128: None, 256: None}[cfg["BM"]], (M, N, Kd, cfg)
             assert -(-Kd // 128) % cfg.get("SPLIT", 1) == 0, (M, N, Kd, cfg)
-    assert {(64, 1), (64, 2), (128, 1), (128, 2)} <= seen                     # every branch is taken somewhere
+    assert {(64, 1), (64, 2), (128, 1), (128, 2), (256, 1)} <= seen                    # every branch is taken somewhere
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -100,7 +100,7 @@ def test_scan_catches_an_overwrite():
 
 @pytest.mark.skipif(not shutil.which("cuobjdump", path=BIN), reason="Triton's CUDA binaries are not installed")
 @pytest.mark.parametrize("BM,S,U,maxnreg,split", [(128, 4, 4, None, 1), (64, 4, 4, 128, 1), (64, 4, 2, 128, 2),
-                                                  (128, 3, 1, None, 1), (128, 4, 2, 168, 1)])
+                                                  (128, 3, 1, None, 1), (128, 4, 2, 168, 1), (256, 3, 4, None, 1)])
 def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, U, maxnreg, split):
     """No instruction overwrites an in-flight wgmma's registers, in the configurations the dispatch uses and in the
     two (3 stages; 168 registers) that failed every run before, while the wgmmas do stay asynchronous (up to 7 in
