@@ -63,7 +63,7 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens; 3 x 68.5 KB at 256 tokens)
-T256 = 1.65      # a 256-token program's time over a 128-token one's, same K (python bench.py kernels --parts ws)
+T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
 UNROLL = 4       # K tiles per consumer loop iteration, at most (ws_mm takes the largest of 4, 2, 1 dividing them)
 
 
@@ -96,7 +96,7 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
         and 128-token tiles elsewhere;
       * 193..1023 tokens: 256-token tiles (one program an SM, 3 stages) where their waves of programs, each T256 =
         1.65 times as long as a 128-token wave, take less time than the 128-token tiles' waves (o at 512 tokens: one
-        wave of 24.6 us against two of 14.9 us; qkv at 256 tokens 23.5 vs 27.4 us); else 128-token tiles, unsplit."""
+        wave, 22.3 us, against two, 27.8 us; qkv at 256 tokens 21.2 vs 27.3 us); else 128-token tiles, unsplit."""
     KT, NT = -(-K // 128), -(-N // BN)
     p64, p128, p256 = NT * -(-M // 64), NT * -(-M // 128), NT * -(-M // 256)     # programs with 64- .. 256-token tiles
     c64, c128, c256 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)
