@@ -22,6 +22,21 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# Under TRITON_INTERPRET=1 (the CPU tests) the interpreter swaps triton.language's builtins for its own while a
+# kernel runs, and a library helper called inside a kernel (triton.language.standard's) leaves triton.language.core
+# swapped for good, which breaks Gluon's compiler afterwards (unless its cache already holds the kernel). This
+# module is imported at collection, before any test runs: keep the originals and put them back for each compile.
+_ORIGINAL = [(o, {k: v for k, v in vars(o).items() if not k.startswith("__")})
+             for o in (tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype, tl.core.tensor_descriptor_base)]
+
+
+def _restore_language():
+    for obj, attrs in _ORIGINAL:
+        for k, v in attrs.items():
+            if getattr(obj, k, None) is not v:
+                setattr(obj, k, v)
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _NO_DEST = ("ST", "STS", "STG", "STL", "BAR", "BRA", "SYNCS", "HGMMA", "WARPGROUP", "RED", "ATOMS", "EXIT", "RET",
@@ -80,6 +95,7 @@ def compiled(BM: int, S: int, U: int, maxnreg, split: int = 1):
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "M": "i32", "MX": "i32", "N": "i32", "NP": "i32",
            "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "U": "constexpr", "SPLIT": "constexpr",
            "HAS_BIAS": "constexpr"}
+    _restore_language()
     src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, U=U, SPLIT=split, HAS_BIAS=True))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
