@@ -35,7 +35,8 @@ sharing one token tile (with 12 warps a thread gets at most 168 registers and pt
 0.69x of one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the
 token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
 dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
-a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's programs adds the
+two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token
+tiles; with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's programs adds the
 parked partials): slower where it was meant to help (qkv at 64 tokens over 132 programs 16.5 us, one program per
 weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster only at 224-384 tokens, and its per-tile
 bookkeeping made every other call 8-13% slower, so it was dropped. Tried again with 128- and 256-token tiles (each
