@@ -29,23 +29,23 @@ the end; tests/test_ws_sass.py checks the SASS.
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
-Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM),
-a CPU path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups
-sharing one token tile (with 12 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured
-0.69x of one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the
-token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
+Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a
+CPU path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing
+one token tile (with 12 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured 0.69x of
+one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the token
+traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
 dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
 two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token
 tiles; with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out every K tile of every
 output tile, the last of a tile's programs adds the parked partials): slower where it was meant to help (qkv at 64
 tokens over 132 programs 16.5 us, one program per weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster
-only at 224-384 tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped. Tried again with 128- and 256-token tiles (each
-program at least half a tile's K, its ring carrying on from one tile to the next), it was 1.15-1.65x slower than the
-best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2 vs 22.1 us, o at 512 tokens 37.8 vs
-22.9 us). Nor a K split of only the last, partial wave's tiles (programs past the whole waves take 1/2-1/4 of a
-tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256 tokens 119.2 vs 114.8 us;
-down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather than in waves, and a lone
-program runs faster than two an SM (0.39 vs 0.55 us a K tile).
+only at 224-384 tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped. Tried
+again with 128- and 256-token tiles (each program at least half a tile's K, its ring carrying on from one tile to
+the next), it was 1.15-1.65x slower than the best plain schedule in all 10 cases it applies to (qkv at 256 tokens
+29.2 vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs
+past the whole waves take 1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us,
+at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather
+than in waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile).
 """
 import functools
 
