@@ -275,8 +275,8 @@ def stamps(out: dict):
                    epilogue_us=med(t[:, 3] - t[:, 2]), epilogue_max_us=(t[:, 3] - t[:, 2]).max().item())
         rows.append(row)
         print(f"{name:7s} M={M:3d} {cfg}: {programs} programs, span {row['span_us']:.1f} us (last start "
-              f"{row['late_start_us']:.1f}) | medians: first tile {row['first_tile_us']:.2f}, K loop "
-              f"{row['loop_us']:.2f}"
-              f" ({row['per_k_tile_us']:.3f} per K tile), store / split-K fixup {row['epilogue_us']:.2f} "
+              f"{row['late_start_us']:.1f}) | medians: first tile {row['first_tile_us']:.2f}, "
+              f"K loop {row['loop_us']:.2f} ({row['per_k_tile_us']:.3f} per K tile), "
+              f"store / split-K fixup {row['epilogue_us']:.2f} "
               f"(max {row['epilogue_max_us']:.2f}) us", flush=True)
     out["stamps"] = rows

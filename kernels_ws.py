@@ -79,10 +79,6 @@ def usable(x2: torch.Tensor) -> bool:
             and x2.data_ptr() % 16 == 0 and _on_hopper(x2.device.index or 0))
 
 
-def _waves(programs: int, sms: int) -> int:
-    return -(-programs // sms)
-
-
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
     `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; README). A 128-token program takes a
@@ -101,19 +97,20 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     KT, NT = -(-K // 128), -(-N // BN)
     p64, p128, p256 = NT * -(-M // 64), NT * -(-M // 128), NT * -(-M // 256)     # programs with 64- .. 256-token tiles
     c64, c128, c256 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)
+    wide = M > 192 and -(-p256 // sms) * T256 < -(-p128 // sms)          # 256-token waves beat 128-token ones
     if M <= 64:
         if p64 > sms or KT >= 64:
             return None
         return dict(c64, SPLIT=2) if 2 * p64 <= sms and KT % 2 == 0 else c64
     if M > 256:
-        return c256 if _waves(p256, sms) * T256 < _waves(p128, sms) else c128
+        return c256 if wide else c128
     if 2 * p128 <= sms:                                           # room for twice the programs
         if KT < 64:
             return c64
         return dict(c128, SPLIT=2) if KT % 2 == 0 else None
     if p128 <= sms:
         return c128
-    if M > 192 and _waves(p256, sms) * T256 < _waves(p128, sms):
+    if wide:
         return c256
     return c64 if -(-M // 64) * 64 < -(-M // 128) * 128 else c128
 
@@ -314,8 +311,8 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     grid = (-(-w.n // BN), -(-M // BM), split)
     ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
     U = next(u for u in (4, 2, 1) if u <= UNROLL and NT % u == 0)                        # K tiles per iteration
-    if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * grid[2]:
-        raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * grid[2]} int64 entries, got {stamps.numel()}")
+    if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
+        raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
                      S=cfg.get("S", 3 if BM == 256 else STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None,
