@@ -10,7 +10,8 @@
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight with as many bytes as the NVFP4 one (9/32 of the rows):
-the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound").
+the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound"); and a kernel that
+only streams the NVFP4 words and scales from HBM ("read floor": the speedup no kernel on these bytes can pass).
 
 Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two sides of a ratio
 replayed in turn (paired_us); weights are rotated over enough copies that every call reads them from HBM, not L2
@@ -89,6 +90,7 @@ def random_nvfp4(N, K, copies):
 
 
 def bench_gemm(Ms, sweep: str | None, out: dict):
+    import bench_sweep
     import kernels
 
     bw = copy_bandwidth()
@@ -96,7 +98,6 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
     if sweep:
-        import bench_sweep
         bench_sweep.precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep)
     for name, (N, K) in SHAPES_7B.items():
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -104,6 +105,7 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
         _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
         rows_eq = N * K * 9 // 16 // (2 * K)                  # a bf16 weight holding as many bytes as the NVFP4 one
         weq = [torch.randn(rows_eq, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(rows_eq * K * 2))]
+        t_read = bench_sweep.read_floor_us(wq) if min(Ms) <= 64 else None
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             t_bf16, t_ours = paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
@@ -112,7 +114,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
             row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours, nvfp4_GBps=gbs)
             if M <= 64:  # the bound a perfect W4 kernel meets: cuBLAS reading as many bytes (9/32 of the rows)
                 t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])
-                row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq)
+                row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq, read_floor_us=t_read,
+                           floor_speedup=t_bf16 / t_read)
             if sweep and M < kernels.LARGE_M:
                 cands = bench_sweep.sweep_configs(M, N, K, sweep)
                 res = []
@@ -133,12 +136,14 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["gemm"] = rows
     if sweep:
         out["best_cfgs"] = best_cfgs
-    print("\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound |\n|---|" + "---|" * (len(SHAPES_7B) + 2))
+    print("\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound | read floor |\n|---|"
+          + "---|" * (len(SHAPES_7B) + 3))
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     for M in Ms:
         sp = [r["speedup"] for r in rows if r["M"] == M]
         bd = [r["bound_speedup"] for r in rows if r["M"] == M and "bound_speedup" in r]
-        bound = " | ".join(f"{s:.2f}x" for s in bd) + f" (geomean {gm(bd):.2f}x)" if bd else "-"
+        fl = [r["floor_speedup"] for r in rows if r["M"] == M and "floor_speedup" in r]
+        bound = " | ".join(", ".join(f"{s:.2f}x" for s in v) + f" (geomean {gm(v):.2f}x)" if v else "-" for v in (bd, fl))
         print(f"| {M} | " + " | ".join(f"{s:.2f}x" for s in sp) + f" | {gm(sp):.2f}x | {bound} |")
     return rows
 

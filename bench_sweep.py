@@ -1,7 +1,7 @@
 """bench_sweep.py: the candidate GEMM tile configs that `python bench.py kernels --sweep` times, and their compilation
 in parallel processes (so the timing process finds every config cached); the ablation of the GEMM main loop that
 `python bench.py kernels --parts ablate` times; kernels_ws's GEMM against the Triton one (`--parts ws`) and where
-its programs' time goes (`--parts stamps`). Imported by bench.py; needs a CUDA GPU.
+its programs' time goes (`--parts stamps`); the read floor of the GEMM table. Imported by bench.py; needs a CUDA GPU.
 """
 import json
 import sys
@@ -68,6 +68,37 @@ def precompile(Ms, jobs: int, family: str):
     t0 = time.time()
     mp.start_processes(_compile_worker, args=(jobs, Ms, family), nprocs=jobs, start_method="spawn")
     print(f"compiled the sweep configs in {time.time() - t0:.0f} s with {jobs} processes", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Read floor: the time to stream an NVFP4 weight's bytes and do nothing with them
+
+
+@triton.jit
+def _read_kernel(w_ptr, s_ptr, out_ptr, NW, NS, PER_W, PER_S, BLOCK: tl.constexpr):
+    # program p XORs words [p * PER_W, (p + 1) * PER_W) and scale words likewise; one int out, so nothing is elided
+    p = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in tl.range(0, PER_W, BLOCK):
+        o = p * PER_W + i + tl.arange(0, BLOCK)
+        acc ^= tl.load(w_ptr + o, mask=o < NW, other=0)
+    for i in tl.range(0, PER_S, BLOCK):
+        o = p * PER_S + i + tl.arange(0, BLOCK)
+        acc ^= tl.load(s_ptr + o, mask=o < NS, other=0)
+    tl.store(out_ptr + p, tl.sum(acc))
+
+
+def read_floor_us(wq) -> float:
+    """Microseconds to read one NVFP4 weight's words and scales from HBM (rotating over the copies wq), the fastest
+    of a few grid sizes and pipeline depths: what no GEMM on these bytes can beat (bench.py kernels' "read floor")."""
+    NW, NS = wq[0].words.numel(), wq[0].scales.numel()
+    best = float("inf")
+    for P, BLOCK, stages in ((1056, 1024, 3), (1056, 1024, 4), (2112, 2048, 3), (2112, 2048, 4)):
+        out = torch.empty(P, dtype=torch.int32, device="cuda")
+        pw, ps = -(-NW // P // BLOCK) * BLOCK, -(-NS // P // BLOCK) * BLOCK
+        best = min(best, bench.graph_time_us([lambda w=w: _read_kernel[(P,)](
+            w.words, w.scales, out, NW, NS, pw, ps, BLOCK=BLOCK, num_warps=8, num_stages=stages) for w in wq], reps=3))
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------------
