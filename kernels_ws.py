@@ -48,9 +48,9 @@ at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs 
 than in waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Three more, measured
 against the dispatch in one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM
 in all 12 cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-6 programs an
-SM); 3-4 programs an SM on 64-token tiles (96-104 registers, rings of 2-3 stages): slower than 2 programs with 4
-stages in all 16 cases at 48-128 tokens (gate_up at 64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4),
-so the ring's depth matters more than the programs an SM; and two consumer warp groups of 64 rows each sharing one
+SM); more 64-token programs an SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than
+2 programs of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2
+stages, 55.6 with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM; and two consumer warp groups of 64 rows each sharing one
 token ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes their wgmmas at every register
 budget from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above.
 """
