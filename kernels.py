@@ -314,7 +314,7 @@ def _workspace(device, floats: int, tiles: int):
 
 
 def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
-    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see README).
+    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
 
     BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
     64-row tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are

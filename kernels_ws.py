@@ -4,7 +4,7 @@ layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls i
 
     python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
     python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
-    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, README)
+    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, KERNELS.md)
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -45,14 +45,15 @@ the next), it was 1.15-1.65x slower than the best plain schedule in all 10 cases
 29.2 vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs
 past the whole waves take 1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us,
 at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather
-than in waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Three more, measured
-against the dispatch in one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM
-in all 12 cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-6 programs an
-SM); more 64-token programs an SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than
-2 programs of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2
-stages, 55.6 with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM; and two consumer warp groups of 64 rows each sharing one
-token ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes their wgmmas at every register
-budget from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above.
+than in waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Two more, timed against the
+dispatch in one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM in all 12
+cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-4 programs an SM); more
+64-token programs an SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than 2 programs
+of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2 stages, 55.6
+with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM. And one compiled only: two consumer
+warp groups of 64 rows each sharing one token ring (so that two such programs, 288 threads each, fit an SM): ptxas
+serializes their wgmmas at every register budget from 96 to 168 (advisory C7512, "insufficient register resources"),
+as with the shared token tile above.
 """
 import functools
 
@@ -88,7 +89,7 @@ def usable(x2: torch.Tensor) -> bool:
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; README). A 128-token program takes a
+    `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
       * up to 64 tokens (64-token tiles): only for few weight tiles (<= 132) and a short K (< 64 tiles), split in 2
