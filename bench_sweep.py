@@ -290,7 +290,7 @@ def stamps(out: dict):
         N, K = bench.SHAPES_7B[name]
         _, (w,) = bench.random_nvfp4(N, K, 1)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        programs = -(-N // 64) * -(-M // cfg["BM"]) * cfg.get("SPLIT", 1)
+        programs = -(-N // kernels_ws.BN) * -(-M // cfg["BM"]) * cfg.get("SPLIT", 1)
         st = torch.zeros(programs, 4, dtype=torch.int64, device="cuda")
         for _ in range(3):                                     # compile, warm up, then the call that is read
             flush.zero_()
