@@ -276,15 +276,15 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
 def stamps(out: dict):
     """python bench.py kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
     read by each program at its start, when its first tile has landed, after its K loop and after its store (the
-    split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
-    qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
+    split-K fixup included, each of kernels._fixup's variants FIX 0-2): medians over the programs of one call (L2
+    flushed before it), for the M = 64 shapes, qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
     import kernels_ws
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    for name, M, cfg in [("o", 64, dict(BM=64, maxnreg=128)), ("o", 64, dict(BM=64, maxnreg=128, SPLIT=2)),
-                         ("o", 64, dict(BM=64, maxnreg=128, SPLIT=7)), ("qkv", 64, dict(BM=64, maxnreg=128)),
-                         ("qkv", 64, dict(BM=64, maxnreg=128, SPLIT=2)), ("gate_up", 64, dict(BM=64, maxnreg=128)),
+    c64 = dict(BM=64, maxnreg=128)
+    for name, M, cfg in [("o", 64, c64), *[("o", 64, dict(c64, SPLIT=2, FIX=f)) for f in (0, 1)],
+                         ("qkv", 64, c64), *[("qkv", 64, dict(c64, SPLIT=2, FIX=f)) for f in (0, 1)],
                          ("qkv", 256, dict(BM=128, maxnreg=None)), ("qkv", 256, dict(BM=256, maxnreg=None)),
                          ("o", 512, dict(BM=256, maxnreg=None))]:
         N, K = bench.SHAPES_7B[name]
@@ -311,3 +311,57 @@ def stamps(out: dict):
               f"store / split-K fixup {row['epilogue_us']:.2f} "
               f"(max {row['epilogue_max_us']:.2f}) us", flush=True)
     out["stamps"] = rows
+
+
+def fixup(out: dict):
+    """python bench.py kernels --parts fixup: the split-K fixups of kernels._fixup against each other (FIX 0: count
+    behind a fence, then sum; 1: count without a fence, a slot still at the sentinel reread until its partial lands;
+    2: the two programs of a 2-way split swap partials per element), per 7B shape: the Triton GEMM with the dispatch
+    tile at 1 / 16 / 64 tokens (the dispatch's split, 2 and 4) and the warp-specialized GEMM split in 2 at 64 / 128
+    tokens; each variant against bf16 in one paired run, their bits checked equal."""
+    import kernels
+    import kernels_ws
+
+    rows = []
+    for name, (N, K) in bench.SHAPES_7B.items():
+        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        KT = -(-K // 128)
+        cases = []
+        for M in (1, 16, 64):
+            base = kernels.mm_config(M, N, K)
+            for s in sorted({split_k(KT, base["SPLIT_K"])[0], split_k(KT, 2)[0], split_k(KT, 4)[0]} - {1}):
+                cases.append(("triton", M, dict(base, SPLIT_K=s), s, s == split_k(KT, base["SPLIT_K"])[0]))
+        for M, BM in ((64, 64), (128, 128)):
+            if KT % 2 == 0:
+                cfg = dict(BM=BM, maxnreg=128 if BM == 64 else None, SPLIT=2)
+                cases.append(("ws", M, cfg, 2, cfg == kernels_ws.ws_config(M, N, K)))
+        legacy = (torch.empty(16 << 20, dtype=torch.float32, device="cuda"),
+                  torch.zeros(4096, dtype=torch.int32, device="cuda"))
+        for kind, M, cfg, split, chosen in cases:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            mm = kernels.nvfp4_mm if kind == "triton" else kernels_ws.ws_mm
+
+            def call(w, f, mm=mm, cfg=cfg, x=x):
+                if f != 3:
+                    return mm(x, w, config=dict(cfg, FIX=f))
+                saved = kernels._WS[x.device]      # FIX 3 leaves partials behind: its own workspace
+                kernels._WS[x.device] = legacy
+                try:
+                    return mm(x, w, config=dict(cfg, FIX=f))
+                finally:
+                    kernels._WS[x.device] = saved
+
+            fixes = (3, 0, 1, 2) if split == 2 and M == 1 else (3, 0, 1)
+            ys = [call(wq[0], f) for f in fixes]
+            assert all(torch.equal(ys[0], y) for y in ys[1:]), (name, kind, M, cfg)
+            ws, cnt = kernels._WS[x.device]
+            assert (ws.view(torch.int32) == -1).all() and (cnt == 0).all(), "workspace not back to the sentinel"
+            t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
+                                *[[lambda w=w, f=f: call(w, f) for w in wq] for f in fixes])
+            rows.append(dict(shape=name, kernel=kind, M=M, cfg=cfg, split=split, dispatch=chosen, bf16_us=t[0],
+                             us={f: tf for f, tf in zip(fixes, t[1:])}))
+            print(f"{name:7s} {kind:6s} M={M:3d} split {split:2d} {'(dispatch)' if chosen else '          '} bf16 "
+                  f"{t[0]:6.1f} us | " + " | ".join(f"FIX {f}: {tf:6.1f} us ({t[0] / tf:.2f}x)"
+                                                      for f, tf in zip(fixes, t[1:])), flush=True)
+    out["fixup"] = rows

@@ -85,6 +85,31 @@ def test_gemm_split_k_bias_and_batched_input(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", [2, 3])
+def test_split_k_fixups_agree_and_leave_the_workspace_clean(device, split):
+    """The split-K fixups (kernels._fixup: FIX 0 counts behind a fence, 1 counts without one and rereads a slot still
+    at the sentinel, 2 swaps the two partials of a 2-way split) give the same bits, each adding the partials in
+    split order, and leave every workspace float at the sentinel and every tile counter at 0 for the next call."""
+    w, _ = make_weight(130, 768, seed=split, device=device)
+    x = torch.randn(20, 768, device=device).to(torch.bfloat16)
+    cfg = dict(BM=16, BN=64, SPLIT_K=split, num_warps=4, num_stages=2)
+    ys = {fix: K.nvfp4_mm(x, w, config=dict(cfg, FIX=fix)) for fix in ((0, 1, 2) if split == 2 else (0, 1))}
+    y32, tol = expected(x, w)
+    for fix, y in ys.items():
+        assert ((y.float() - y32).abs() <= tol).all(), fix
+        assert torch.equal(y, ys[1]), fix
+        ws, cnt = K._WS[x.device]
+        assert (ws.view(torch.int32) == -1).all() and (cnt == 0).all(), fix
+    # a partial that is NaN is made canonical (never the sentinel) and the NaN reaches the output
+    xn = x.clone()
+    xn[3, 700] = float("nan")                                       # the last split's K range
+    for fix in ys:
+        yn = K.nvfp4_mm(xn, w, config=dict(cfg, FIX=fix))
+        assert yn[3].isnan().all() and not yn[torch.arange(20) != 3].isnan().any(), fix
+        assert (K._WS[x.device][0].view(torch.int32) == -1).all(), fix
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cfg", [dict(BM=64, BN=64, SPLIT_K=1, num_warps=4, num_stages=3),
                                  dict(BM=128, BN=64, SPLIT_K=2, num_warps=4, num_stages=3),
                                  dict(BM=128, BN=128, SPLIT_K=4, num_warps=8, num_stages=4)])
