@@ -276,15 +276,15 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
 def stamps(out: dict):
     """python bench.py kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
     read by each program at its start, when its first tile has landed, after its K loop and after its store (the
-    split-K fixup included, each of kernels._fixup's variants FIX 0-2): medians over the programs of one call (L2
-    flushed before it), for the M = 64 shapes, qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
+    split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
+    qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
     import kernels_ws
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    c64 = dict(BM=64, maxnreg=128)
-    for name, M, cfg in [("o", 64, c64), *[("o", 64, dict(c64, SPLIT=2, FIX=f)) for f in (0, 1)],
-                         ("qkv", 64, c64), *[("qkv", 64, dict(c64, SPLIT=2, FIX=f)) for f in (0, 1)],
+    for name, M, cfg in [("o", 64, dict(BM=64, maxnreg=128)), ("o", 64, dict(BM=64, maxnreg=128, SPLIT=2)),
+                         ("o", 64, dict(BM=64, maxnreg=128, SPLIT=7)), ("qkv", 64, dict(BM=64, maxnreg=128)),
+                         ("qkv", 64, dict(BM=64, maxnreg=128, SPLIT=2)), ("gate_up", 64, dict(BM=64, maxnreg=128)),
                          ("qkv", 256, dict(BM=128, maxnreg=None)), ("qkv", 256, dict(BM=256, maxnreg=None)),
                          ("o", 512, dict(BM=256, maxnreg=None))]:
         N, K = bench.SHAPES_7B[name]
@@ -313,55 +313,32 @@ def stamps(out: dict):
     out["stamps"] = rows
 
 
-def fixup(out: dict):
-    """python bench.py kernels --parts fixup: the split-K fixups of kernels._fixup against each other (FIX 0: count
-    behind a fence, then sum; 1: count without a fence, a slot still at the sentinel reread until its partial lands;
-    2: the two programs of a 2-way split swap partials per element), per 7B shape: the Triton GEMM with the dispatch
-    tile at 1 / 16 / 64 tokens (the dispatch's split, 2 and 4) and the warp-specialized GEMM split in 2 at 64 / 128
-    tokens; each variant against bf16 in one paired run, their bits checked equal."""
+def swap(out: dict, Ms=(1, 4, 8)):
+    """python bench.py kernels --parts swap: the Triton GEMM at few tokens with K split in 2 and the partials swapped
+    per element (SWAP: one exchange a partial sum, no fence or count), over 64- and 128-row tiles and 3-6 pipeline
+    stages, against the dispatch table's config (mm_config) and bf16 F.linear in one paired run per shape and M."""
     import kernels
-    import kernels_ws
 
     rows = []
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
-        KT = -(-K // 128)
-        cases = []
-        for M in (1, 16, 64):
-            base = kernels.mm_config(M, N, K)
-            for s in sorted({split_k(KT, base["SPLIT_K"])[0], split_k(KT, 2)[0], split_k(KT, 4)[0]} - {1}):
-                cases.append(("triton", M, dict(base, SPLIT_K=s), s, s == split_k(KT, base["SPLIT_K"])[0]))
-        for M, BM in ((64, 64), (128, 128)):
-            if KT % 2 == 0:
-                cfg = dict(BM=BM, maxnreg=128 if BM == 64 else None, SPLIT=2)
-                cases.append(("ws", M, cfg, 2, cfg == kernels_ws.ws_config(M, N, K)))
-        legacy = (torch.empty(16 << 20, dtype=torch.float32, device="cuda"),
-                  torch.zeros(4096, dtype=torch.int32, device="cuda"))
-        for kind, M, cfg, split, chosen in cases:
+        for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            mm = kernels.nvfp4_mm if kind == "triton" else kernels_ws.ws_mm
-
-            def call(w, f, mm=mm, cfg=cfg, x=x):
-                if f != 3:
-                    return mm(x, w, config=dict(cfg, FIX=f))
-                saved = kernels._WS[x.device]      # FIX 3 leaves partials behind: its own workspace
-                kernels._WS[x.device] = legacy
-                try:
-                    return mm(x, w, config=dict(cfg, FIX=f))
-                finally:
-                    kernels._WS[x.device] = saved
-
-            fixes = (3, 0, 1, 2) if split == 2 and M == 1 else (3, 0, 1)
-            ys = [call(wq[0], f) for f in fixes]
-            assert all(torch.equal(ys[0], y) for y in ys[1:]), (name, kind, M, cfg)
-            ws, cnt = kernels._WS[x.device]
-            assert (ws.view(torch.int32) == -1).all() and (cnt == 0).all(), "workspace not back to the sentinel"
+            base = kernels.mm_config(M, N, K)
+            cands = [base] + [dict(BM=16, BN=bn, SPLIT_K=2, num_warps=4, num_stages=st, PEEL=0, SWAP=1)
+                              for bn, st in ((64, 3), (64, 4), (64, 6), (128, 3), (128, 4))]
+            cands += [dict(c, SWAP=0) for c in cands[1:3]]                    # the same tiles with the count fixup
+            ref = kernels.nvfp4_mm(x, wq[0], config=base)
+            for c in cands[1:]:
+                torch.testing.assert_close(kernels.nvfp4_mm(x, wq[0], config=c), ref, rtol=0.02, atol=0.07)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
-                                *[[lambda w=w, f=f: call(w, f) for w in wq] for f in fixes])
-            rows.append(dict(shape=name, kernel=kind, M=M, cfg=cfg, split=split, dispatch=chosen, bf16_us=t[0],
-                             us={f: tf for f, tf in zip(fixes, t[1:])}))
-            print(f"{name:7s} {kind:6s} M={M:3d} split {split:2d} {'(dispatch)' if chosen else '          '} bf16 "
-                  f"{t[0]:6.1f} us | " + " | ".join(f"FIX {f}: {tf:6.1f} us ({t[0] / tf:.2f}x)"
-                                                      for f, tf in zip(fixes, t[1:])), flush=True)
-    out["fixup"] = rows
+                                *[[lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq] for c in cands])
+            label = lambda c: (f"{c['BN']}r/k{c['SPLIT_K']}/s{c['num_stages']}"                 # noqa: E731
+                               + ("/swap" if c.get("SWAP") else ""))
+            rows.append(dict(shape=name, M=M, bf16_us=t[0], us={label(c): tc for c, tc in zip(cands, t[1:])},
+                             dispatch=label(base)))
+            print(f"{name:7s} M={M:2d} bf16 {t[0]:6.1f} us | dispatch {label(base)}: {t[1]:5.1f} ({t[0] / t[1]:.2f}x) | "
+                  + " ".join(f"{label(c)}: {tc:5.1f} ({t[0] / tc:.2f}x)" for c, tc in zip(cands[1:], t[2:])),
+                  flush=True)
+    out["swap"] = rows

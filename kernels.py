@@ -221,75 +221,6 @@ if triton is not None:
         else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
-    # where a partial sum has not arrived: reload until the slot holds something other than the sentinel (-1 bits)
-    _AWAIT_ASM = tl.constexpr("""{ .reg .pred p; mov.b32 $0, $1; setp.ne.s32 p, $0, -1; @p bra DONE;
-    SPIN: ld.volatile.global.b32 $0, [$2]; setp.eq.s32 p, $0, -1; @p bra SPIN; DONE: }""")
-
-    @triton.jit
-    def _fixup(acc, slot, stride, cnt_ptr, pid_k, mask, SPLIT_K: tl.constexpr, FIX: tl.constexpr,
-               USE_ASM: tl.constexpr):
-        """Split-K: the SPLIT_K programs of an output tile meet in the workspace, whose every float holds the
-        sentinel bits 0xFFFFFFFF between launches (a NaN no arithmetic produces: partials are made canonical).
-        acc (BN, BM) fp32: this program's partial; slot: its place, program k's is slot + (k - pid_k) * stride.
-        Returns (the tile's sum 0 + p_0 + ... + p_{SPLIT_K-1} in that order, the elements to store, whether this
-        program stores at all). FIX 1: park, count (relaxed), the last to count sums: a slot still at the
-        sentinel is one whose partial is on its way (its program counted before its store landed), reread until
-        it is not, so no fence orders the park before the count. FIX 0: the same with a fence (acq_rel count).
-        FIX 2 (SPLIT_K = 2): the two swap partials in one slot; per element, whoever gets the other's back adds.
-        Every slot read is reset to the sentinel."""
-        sent = tl.full(acc.shape, -1, tl.int32).to(tl.float32, bitcast=True)
-        acc = tl.where(acc != acc, float("nan"), acc)                          # canonical NaN, never the sentinel
-        keep = mask
-        live = pid_k >= 0
-        if FIX == 2:
-            pair = slot - pid_k * stride
-            old = tl.atomic_xchg(pair.to(tl.pointer_type(tl.int32)), acc.to(tl.int32, bitcast=True), mask=mask,
-                                  sem="relaxed").to(tl.float32, bitcast=True)   # the other's, or sentinel
-            keep = mask & (old.to(tl.int32, bitcast=True) != -1)
-            p0, p1 = tl.where(pid_k == 0, acc, old), tl.where(pid_k == 0, old, acc)
-            acc = (tl.zeros_like(acc) + p0) + p1
-            tl.store(pair, sent, mask=keep)
-        elif FIX == 3:  # (the previous code, for bench.py's comparison: no sentinels, its own workspace)
-            tl.store(slot, acc, mask=mask)
-            tl.debug_barrier()
-            live = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1
-            if live:
-                tot = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT_K):
-                    tot += tl.load(slot + (s - pid_k) * stride, mask=mask, other=0.0, cache_modifier=".cg")
-                acc = tot
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-        else:
-            tl.store(slot, acc, mask=mask)
-            if FIX == 0:
-                tl.debug_barrier()
-                done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-            else:
-                done = tl.atomic_add(cnt_ptr, 1, sem="relaxed")
-            live = done == SPLIT_K - 1
-            if live:
-                late = mask & False                                            # elements whose partial was late
-                tot = tl.zeros_like(acc)
-                for s in tl.static_range(SPLIT_K):
-                    v = tl.load(slot + (s - pid_k) * stride, mask=mask, other=0.0, cache_modifier=".cg")
-                    late |= v.to(tl.int32, bitcast=True) == -1
-                    tot += v
-                if USE_ASM:
-                    if tl.max(late.to(tl.int32)) > 0:  # rare: sum those elements again, waiting for each partial
-                        again = tl.zeros_like(acc)
-                        for s in tl.static_range(SPLIT_K):
-                            p = slot + (s - pid_k) * stride
-                            b = tl.load(p, mask=late, other=0.0, cache_modifier=".cg").to(tl.int32, bitcast=True)
-                            again += tl.inline_asm_elementwise(
-                                _AWAIT_ASM, "=r,r,l", [b, p.to(tl.int64, bitcast=True)], dtype=tl.int32,
-                                is_pure=False, pack=1).to(tl.float32, bitcast=True)
-                        tot = tl.where(late, again, tot)
-                acc = tot
-                for s in tl.static_range(SPLIT_K):
-                    tl.store(slot + (s - pid_k) * stride, sent, mask=mask)
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")                      # no fence: the next launch sees it
-        return acc, keep, live
-
     @triton.jit
     def _store(acc, n, m, M, N, keep, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
                RP: tl.constexpr, USE_ASM: tl.constexpr):
@@ -305,11 +236,11 @@ if triton is not None:
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
+    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, sw_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         FIX: tl.constexpr = 1):
+                         SWAP: tl.constexpr = 0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -338,13 +269,30 @@ if triton is not None:
             xp += 128
         acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
         out_mask = (n[:, None] < N) & (m[None, :] < M)
-        if SPLIT_K > 1:  # the SPLIT_K partial sums of this output tile meet in the workspace (see _fixup)
+        if SWAP:  # 2 splits: swap partials per element in a slot that holds the sentinel between calls (-1 bits, a
+            # NaN no arithmetic gives); whoever gets the other's partial back adds the two, stores, and resets the slot
+            acc = tl.where(acc != acc, float("nan"), acc)                     # canonical NaN, never the sentinel
+            slot = (sw_ptr + m[None, :] * N + n[:, None]).to(tl.pointer_type(tl.int32))   # (BN, BM)
+            old = tl.atomic_xchg(slot, acc.to(tl.int32, bitcast=True), mask=out_mask, sem="relaxed")
+            keep = out_mask & (old != -1)
+            other = old.to(tl.float32, bitcast=True)
+            p0, p1 = tl.where(pid_k == 0, acc, other), tl.where(pid_k == 0, other, acc)
+            _store((tl.zeros_like(acc) + p0) + p1, n, m, M, N, keep, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
+                   HAS_BIAS, RP, USE_ASM)                                     # 0 + p0 + p1: the count's order
+            tl.store(slot, tl.full((BN, BM), -1, tl.int32), mask=keep)
+        elif SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
             tile = pid_m * tl.num_programs(0) + pid_n
-            slot = ws_ptr + ((tl.num_programs(1) * BM) * pid_k + m[None, :]) * N + n[:, None]   # (BN, BM)
-            acc, keep, live = _fixup(acc, slot, (tl.num_programs(1) * BM) * N, cnt_ptr + tile, pid_k, out_mask,
-                                     SPLIT_K, FIX, USE_ASM)
-            if live:
-                _store(acc, n, m, M, N, keep, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+            mp = tl.num_programs(1) * BM                                              # padded token count
+            tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
+                                   mask=out_mask, other=0.0, cache_modifier=".cg")
+                _store(acc, n, m, M, N, out_mask, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
         else:
             _store(acc, n, m, M, N, out_mask, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
@@ -364,17 +312,27 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------------------
 # Launch: configs per token bucket, split-K, workspace
 
-_WS: dict = {}  # device -> (workspace fp32, tile counters int32); both back to sentinel / zero after each use (_fixup)
+_WS: dict = {}  # device -> (workspace fp32, tile counters int32); counters reset themselves after each use
 
 
 def _workspace(device, floats: int, tiles: int):
     ws, cnt = _WS.get(device, (None, None))
     if ws is None or ws.numel() < floats:
-        ws = torch.full((max(floats, 1 << 20),), -1, dtype=torch.int32, device=device).view(torch.float32)
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
     if cnt is None or cnt.numel() < tiles:
         cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     _WS[device] = (ws, cnt)
     return ws, cnt
+
+
+_SW: dict = {}  # device -> swap slots (fp32) of the 2-split swap; each back to the sentinel (-1 bits) after each use
+
+
+def _swap_slots(device, floats: int):
+    sw = _SW.get(device)
+    if sw is None or sw.numel() < floats:
+        sw = _SW[device] = torch.full((max(floats, 1 << 16),), -1, dtype=torch.int32, device=device).view(torch.float32)
+    return sw
 
 
 def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -440,15 +398,15 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     cfg = dict(config or mm_config(M, N, K))
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
     split, per_split = split_k(KT, split)
-    if cfg.get("FIX") == 2 and split != 2:                   # the swap takes exactly two splits
-        cfg["FIX"] = 1
     grid = (-(-N // BN), -(-M // BM), split)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
-    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
+    swap = int(cfg.pop("SWAP", 0) and split == 2)
+    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 and not swap else 0, grid[0] * grid[1])
+    sw = _swap_slots(x2.device, grid[1] * BM * N) if swap else ws
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, sw, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
                            SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
-                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
+                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, SWAP=swap, **cfg)
     return y
 
 

@@ -178,7 +178,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0, m0,
                   NT, stride_ym, BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, STAMP: gl.constexpr, FIX: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, STAMP: gl.constexpr):
         # U K tiles per loop iteration, 8 async wgmmas each, each issued as soon as its block (16 K columns) is
         # dequantized, with up to 7 in flight. A wgmma reads its A operand (the weights) from registers while in
         # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
@@ -228,75 +228,22 @@ if gluon is not None:
         n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
         m = m0 + gl.arange(0, BM, gl.SliceLayout(0, OUT))
         mask = (n[:, None] < N) & (m[None, :] < M) & (m[None, :] >= gl.program_id(1) * BM)  # this tile's own rows
-        if SPLIT > 1:  # the SPLIT partial sums of this output tile meet in kernels.py's workspace (see _fixup)
+        if SPLIT > 1:  # park the partial sum; the last of the SPLIT programs of this output tile adds them up
             mp = gl.num_programs(1) * BM                                                     # padded token count
-            slot = ws_ptr + (gl.program_id(2) * mp + m[None, :]) * N + n[:, None]            # (64, BM)
+            gl.store(ws_ptr + (gl.program_id(2) * mp + m[None, :]) * N + n[:, None], out, mask=mask)
+            gl.thread_barrier()                                    # every thread's partial is out before the count
             tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-            out, keep, live = _fixup(out, slot, mp * N, cnt_ptr + tile, gl.program_id(2), mask, SPLIT, FIX)
-            if live:
-                _store(out, n, m, N, b_ptr, y_ptr, stride_ym, keep, HAS_BIAS)
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                out = gl.zeros((64, BM), gl.float32, OUT)
+                for s in range(SPLIT):
+                    out += gl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None], mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")          # no fence: the next launch sees it
         else:
             _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
         if STAMP:
             _stamp(st_ptr, 3)
-
-    _AWAIT_ASM = gl.constexpr(kernels._AWAIT_ASM.value)
-
-    @gluon.jit
-    def _fixup(acc, slot, stride, cnt_ptr, pid_k, mask, SPLIT: gl.constexpr, FIX: gl.constexpr):
-        # kernels._fixup in Gluon (the same protocol, sums and bits): returns (sum, elements to store, store at all)
-        sent = (gl.zeros_like(acc).to(gl.int32, bitcast=True) - 1).to(gl.float32, bitcast=True)
-        acc = gl.where(acc != acc, float("nan"), acc)                          # canonical NaN, never the sentinel
-        keep = mask
-        live = pid_k >= 0
-        if FIX == 2:
-            pair = slot - pid_k * stride
-            old = gl.atomic_xchg(pair.to(gl.pointer_type(gl.int32)), acc.to(gl.int32, bitcast=True), mask=mask,
-                                  sem="relaxed").to(gl.float32, bitcast=True)   # the other's, or sentinel
-            keep = mask & (old.to(gl.int32, bitcast=True) != -1)
-            p0 = gl.where(pid_k == 0, acc, old)
-            p1 = gl.where(pid_k == 0, old, acc)
-            acc = (gl.zeros_like(acc) + p0) + p1
-            gl.store(pair, sent, mask=keep)
-        elif FIX == 3:
-            gl.store(slot, acc, mask=mask)
-            gl.thread_barrier()
-            live = gl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT - 1
-            if live:
-                tot = gl.zeros_like(acc)
-                for s in gl.static_range(SPLIT):
-                    tot += gl.load(slot + (s - pid_k) * stride, mask=mask, other=0.0, cache_modifier=".cg")
-                acc = tot
-                gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-        else:
-            gl.store(slot, acc, mask=mask)
-            if FIX == 0:
-                gl.thread_barrier()
-                done = gl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-            else:
-                done = gl.atomic_add(cnt_ptr, 1, sem="relaxed")
-            live = done == SPLIT - 1
-            if live:
-                late = mask & False
-                tot = gl.zeros_like(acc)
-                for s in gl.static_range(SPLIT):
-                    v = gl.load(slot + (s - pid_k) * stride, mask=mask, other=0.0, cache_modifier=".cg")
-                    late |= v.to(gl.int32, bitcast=True) == -1
-                    tot += v
-                if gl.max(late.to(gl.int32)) > 0:
-                    again = gl.zeros_like(acc)
-                    for s in gl.static_range(SPLIT):
-                        p = slot + (s - pid_k) * stride
-                        b = gl.load(p, mask=late, other=0.0, cache_modifier=".cg").to(gl.int32, bitcast=True)
-                        again += gl.inline_asm_elementwise(_AWAIT_ASM, "=r,r,l", [b, p.to(gl.int64, bitcast=True)],
-                                                           dtype=gl.int32, is_pure=False, pack=1).to(gl.float32,
-                                                                                                     bitcast=True)
-                    tot = gl.where(late, again, tot)
-                acc = tot
-                for s in gl.static_range(SPLIT):
-                    gl.store(slot + (s - pid_k) * stride, sent, mask=mask)
-                gl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-        return acc, keep, live
 
     @gluon.jit
     def _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS: gl.constexpr):
@@ -320,7 +267,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, MX, N, NP, NT, stride_ym,
                    BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   STAMP: gl.constexpr = False, FIX: gl.constexpr = 1):
+                   STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -336,7 +283,7 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0,
-                         m0, NT, stride_ym, BM, S, U, SPLIT, HAS_BIAS, STAMP, FIX)),
+                         m0, NT, stride_ym, BM, S, U, SPLIT, HAS_BIAS, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
                        gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
@@ -377,6 +324,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
                      S=cfg.get("S", 3 if BM == 256 else STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None,
-                     STAMP=stamps is not None, FIX=cfg.get("FIX", 1) if split == 2 or cfg.get("FIX", 1) != 2 else 1,
-                     num_warps=4, maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

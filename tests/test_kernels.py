@@ -85,28 +85,27 @@ def test_gemm_split_k_bias_and_batched_input(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("split", [2, 3])
-def test_split_k_fixups_agree_and_leave_the_workspace_clean(device, split):
-    """The split-K fixups (kernels._fixup: FIX 0 counts behind a fence, 1 counts without one and rereads a slot still
-    at the sentinel, 2 swaps the two partials of a 2-way split) give the same bits, each adding the partials in
-    split order, and leave every workspace float at the sentinel and every tile counter at 0 for the next call."""
-    w, _ = make_weight(130, 768, seed=split, device=device)
-    x = torch.randn(20, 768, device=device).to(torch.bfloat16)
-    cfg = dict(BM=16, BN=64, SPLIT_K=split, num_warps=4, num_stages=2)
-    ys = {fix: K.nvfp4_mm(x, w, config=dict(cfg, FIX=fix)) for fix in ((0, 1, 2) if split == 2 else (0, 1))}
-    y32, tol = expected(x, w)
-    for fix, y in ys.items():
-        assert ((y.float() - y32).abs() <= tol).all(), fix
-        assert torch.equal(y, ys[1]), fix
-        ws, cnt = K._WS[x.device]
-        assert (ws.view(torch.int32) == -1).all() and (cnt == 0).all(), fix
-    # a partial that is NaN is made canonical (never the sentinel) and the NaN reaches the output
+@pytest.mark.parametrize("M,BN", [(1, 128), (20, 64)])
+def test_split_k_swap_matches_the_count(device, M, BN):
+    """SWAP (two K splits exchange partials per element through slots at the sentinel) gives the bits of the count
+    fixup (0 + p0 + p1 either way), leaves every swap slot at the sentinel (-1 bits) for the next call, and a NaN
+    partial (canonical, never the sentinel) reaches the output; with a bias."""
+    w, _ = make_weight(130, 768, seed=M, device=device)
+    x = torch.randn(M, 768, device=device).to(torch.bfloat16)
+    bias = torch.randn(130, device=device).to(torch.bfloat16)
+    cfg = dict(BM=16 if M <= 16 else 32, BN=BN, SPLIT_K=2, num_warps=4, num_stages=2)
+    y = K.nvfp4_mm(x, w, bias, config=cfg)
+    ys = K.nvfp4_mm(x, w, bias, config=dict(cfg, SWAP=1))
+    y32, tol = expected(x, w, bias)
+    assert ((ys.float() - y32).abs() <= tol).all()
+    assert torch.equal(ys, y)
+    sw = K._SW[x.device]
+    assert (sw.view(torch.int32) == -1).all()
     xn = x.clone()
-    xn[3, 700] = float("nan")                                       # the last split's K range
-    for fix in ys:
-        yn = K.nvfp4_mm(xn, w, config=dict(cfg, FIX=fix))
-        assert yn[3].isnan().all() and not yn[torch.arange(20) != 3].isnan().any(), fix
-        assert (K._WS[x.device][0].view(torch.int32) == -1).all(), fix
+    xn[M - 1, 700] = float("nan")                                   # in the second split's half of K
+    yn = K.nvfp4_mm(xn, w, bias, config=dict(cfg, SWAP=1))
+    assert yn[M - 1].isnan().all() and not yn[: M - 1].isnan().any()
+    assert (sw.view(torch.int32) == -1).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
