@@ -479,7 +479,7 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
-    if {"ablate", "splits", "ws", "stamps", "swap"} & set(parts):
+    if {"ablate", "splits", "ws", "stamps"} & set(parts):
         import bench_sweep
         if "stamps" in parts:
             bench_sweep.stamps(out)
@@ -489,8 +489,6 @@ def main(argv=None):
             bench_sweep.ablate(out)
         if "splits" in parts:
             bench_sweep.splits(out)
-        if "swap" in parts:
-            bench_sweep.swap(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

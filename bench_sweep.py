@@ -311,34 +311,3 @@ def stamps(out: dict):
               f"store / split-K fixup {row['epilogue_us']:.2f} "
               f"(max {row['epilogue_max_us']:.2f}) us", flush=True)
     out["stamps"] = rows
-
-
-def swap(out: dict, Ms=(1, 4, 8)):
-    """python bench.py kernels --parts swap: the Triton GEMM at few tokens with K split in 2 and the partials swapped
-    per element (SWAP: one exchange a partial sum, no fence or count), over 64- and 128-row tiles and 3-6 pipeline
-    stages, against the dispatch table's config (mm_config) and bf16 F.linear in one paired run per shape and M."""
-    import kernels
-
-    rows = []
-    for name, (N, K) in bench.SHAPES_7B.items():
-        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
-        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
-        for M in Ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            base = kernels.mm_config(M, N, K)
-            cands = [base] + [dict(BM=16, BN=bn, SPLIT_K=2, num_warps=4, num_stages=st, PEEL=0, SWAP=1)
-                              for bn, st in ((64, 3), (64, 4), (64, 6), (128, 3), (128, 4))]
-            cands += [dict(c, SWAP=0) for c in cands[1:3]]                    # the same tiles with the count fixup
-            ref = kernels.nvfp4_mm(x, wq[0], config=base)
-            for c in cands[1:]:
-                torch.testing.assert_close(kernels.nvfp4_mm(x, wq[0], config=c), ref, rtol=0.02, atol=0.07)
-            t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
-                                *[[lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq] for c in cands])
-            label = lambda c: (f"{c['BN']}r/k{c['SPLIT_K']}/s{c['num_stages']}"                 # noqa: E731
-                               + ("/swap" if c.get("SWAP") else ""))
-            rows.append(dict(shape=name, M=M, bf16_us=t[0], us={label(c): tc for c, tc in zip(cands, t[1:])},
-                             dispatch=label(base)))
-            print(f"{name:7s} M={M:2d} bf16 {t[0]:6.1f} us | dispatch {label(base)}: {t[1]:5.1f} ({t[0] / t[1]:.2f}x) | "
-                  + " ".join(f"{label(c)}: {tc:5.1f} ({t[0] / tc:.2f}x)" for c, tc in zip(cands[1:], t[2:])),
-                  flush=True)
-    out["swap"] = rows

@@ -26,7 +26,9 @@ Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins
 On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
 says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
 
-Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning.
+Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
+split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
+the tile sizes that need it; KERNELS.md).
 """
 import functools
 import os
@@ -222,10 +224,9 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
     @triton.jit
-    def _store(acc, n, m, M, N, keep, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
+    def _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
                RP: tl.constexpr, USE_ASM: tl.constexpr):
-        # y = acc (BN, BM) fp32 + bias + the LoRA term B @ xa^T (xa = x @ A^T: (M, R), B: (N, R), R <= RP), rounded once,
-        # where keep (BN, BM) is set
+        # y = acc (BN, BM) fp32 + bias + the LoRA term B @ xa^T (xa = x @ A^T: (M, R), B: (N, R), R <= RP), rounded once
         if RP > 0:
             r = tl.arange(0, RP)
             bt = tl.load(lb_ptr + n[:, None] * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
@@ -233,14 +234,14 @@ if triton is not None:
             acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=keep)
+        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(n[:, None] < N) & (m[None, :] < M))
 
     @triton.jit
-    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, sw_ptr, xa_ptr, lb_ptr,
+    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         SWAP: tl.constexpr = 0):
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -269,18 +270,7 @@ if triton is not None:
             xp += 128
         acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
         out_mask = (n[:, None] < N) & (m[None, :] < M)
-        if SWAP:  # 2 splits: swap partials per element in a slot that holds the sentinel between calls (-1 bits, a
-            # NaN no arithmetic gives); whoever gets the other's partial back adds the two, stores, and resets the slot
-            acc = tl.where(acc != acc, float("nan"), acc)                     # canonical NaN, never the sentinel
-            slot = (sw_ptr + m[None, :] * N + n[:, None]).to(tl.pointer_type(tl.int32))   # (BN, BM)
-            old = tl.atomic_xchg(slot, acc.to(tl.int32, bitcast=True), mask=out_mask, sem="relaxed")
-            keep = out_mask & (old != -1)
-            other = old.to(tl.float32, bitcast=True)
-            p0, p1 = tl.where(pid_k == 0, acc, other), tl.where(pid_k == 0, other, acc)
-            _store((tl.zeros_like(acc) + p0) + p1, n, m, M, N, keep, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
-                   HAS_BIAS, RP, USE_ASM)                                     # 0 + p0 + p1: the count's order
-            tl.store(slot, tl.full((BN, BM), -1, tl.int32), mask=keep)
-        elif SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
+        if SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
             tile = pid_m * tl.num_programs(0) + pid_n
             mp = tl.num_programs(1) * BM                                              # padded token count
             tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
@@ -291,10 +281,10 @@ if triton is not None:
                 for s in range(0, SPLIT_K):
                     acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
                                    mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store(acc, n, m, M, N, out_mask, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
         else:
-            _store(acc, n, m, M, N, out_mask, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
@@ -323,16 +313,6 @@ def _workspace(device, floats: int, tiles: int):
         cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
     _WS[device] = (ws, cnt)
     return ws, cnt
-
-
-_SW: dict = {}  # device -> swap slots (fp32) of the 2-split swap; each back to the sentinel (-1 bits) after each use
-
-
-def _swap_slots(device, floats: int):
-    sw = _SW.get(device)
-    if sw is None or sw.numel() < floats:
-        sw = _SW[device] = torch.full((max(floats, 1 << 16),), -1, dtype=torch.int32, device=device).view(torch.float32)
-    return sw
 
 
 def mm_config(M: int, N: int, K: int, sms: int = 132) -> dict:
@@ -400,13 +380,11 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     split, per_split = split_k(KT, split)
     grid = (-(-N // BN), -(-M // BM), split)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    swap = int(cfg.pop("SWAP", 0) and split == 2)
-    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 and not swap else 0, grid[0] * grid[1])
-    sw = _swap_slots(x2.device, grid[1] * BM * N) if swap else ws
-    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, sw, xa, lb,
+    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
                            SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
-                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, SWAP=swap, **cfg)
+                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
     return y
 
 
