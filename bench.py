@@ -143,7 +143,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
         sp = [r["speedup"] for r in rows if r["M"] == M]
         bd = [r["bound_speedup"] for r in rows if r["M"] == M and "bound_speedup" in r]
         fl = [r["floor_speedup"] for r in rows if r["M"] == M and "floor_speedup" in r]
-        bound = " | ".join(", ".join(f"{s:.2f}x" for s in v) + f" (geomean {gm(v):.2f}x)" if v else "-" for v in (bd, fl))
+        cells = [", ".join(f"{s:.2f}x" for s in v) + f" (geomean {gm(v):.2f}x)" if v else "-" for v in (bd, fl)]
+        bound = " | ".join(cells)
         print(f"| {M} | " + " | ".join(f"{s:.2f}x" for s in sp) + f" | {gm(sp):.2f}x | {bound} |")
     return rows
 

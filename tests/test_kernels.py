@@ -141,8 +141,8 @@ def test_ws_gemm_matches_reference(M, N, Kd):
 def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
     """At the 7B linear shapes, kernels_ws gives the same bits as kernels.py's Triton GEMM with the same tile and K
     split (64-512 tokens, 64 / 128 / 256-token tiles, partial token tiles, 2-5 stages, 128 / 168 / 255 registers),
-    with and without its timer stamps, and meets the fp32 tolerance: the check that caught in-flight wgmma operands being overwritten
-    (tests/test_ws_sass.py)."""
+    with and without its timer stamps, and meets the fp32 tolerance: the check that caught in-flight wgmma operands
+    being overwritten (tests/test_ws_sass.py)."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=N + Kd, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(N)
