@@ -53,7 +53,10 @@ of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at 64 to
 with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM. And one compiled only: two consumer
 warp groups of 64 rows each sharing one token ring (so that two such programs, 288 threads each, fit an SM): ptxas
 serializes their wgmmas at every register budget from 96 to 168 (advisory C7512, "insufficient register resources"),
-as with the shared token tile above.
+as with the shared token tile above. Nor the weights as the wgmma's B operand, dequantized into a shared-memory ring
+by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16
+and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared memory twice in bf16
+(KERNELS.md, "Dequantizing in separate warps").
 """
 import functools
 
