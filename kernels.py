@@ -28,7 +28,7 @@ says it wins (bench.py kernels --parts ws); everything else runs the kernel belo
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
 split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
-the tile sizes that need it; KERNELS.md).
+the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower; KERNELS.md).
 """
 import functools
 import os
@@ -180,15 +180,6 @@ if triton is not None:
     _CODE_ASM = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
         _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
 
-    # split-K inside a thread-block cluster (CLUSTER=1): the split's programs are one cluster, each parks its partial
-    # sum in its own shared memory (the K loop's buffers, idle by then) and rank 0 reads them over DSMEM
-    _ST_SMEM = tl.constexpr("{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; "
-                            "mov.b32 $0, 0; }")
-    _CLUSTER_SYNC = tl.constexpr("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
-                                 "mov.b32 $0, $1;")
-    _LD_DSMEM = tl.constexpr("{ .reg .u32 a, r; mov.u32 a, global_smem; add.u32 a, a, $1; "
-                             "mapa.shared::cluster.u32 r, a, $2; ld.shared::cluster.f32 $0, [r]; }")
-
     @triton.jit
     def _e2m1_twin(words, sw0, sw1, BN: tl.constexpr):
         # pure-Triton twin of the PTX (the interpreter cannot run PTX): (BN, 16) words -> (BN, 128) exact q * s
@@ -250,11 +241,8 @@ if triton is not None:
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         CLUSTER: tl.constexpr = 0):
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        if CLUSTER:  # launched as clusters of SPLIT_K programs along x: rank = split
-            pid_n, pid_k = pid_n // SPLIT_K, pid_n % SPLIT_K
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
         kk = tl.arange(0, 128)
@@ -282,22 +270,7 @@ if triton is not None:
             xp += 128
         acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
         out_mask = (n[:, None] < N) & (m[None, :] < M)
-        if SPLIT_K > 1 and CLUSTER == 1:  # ranks 1.. park their partial in shared memory, rank 0 adds them in order
-            tl.debug_barrier()                                                        # the K loop's smem is idle
-            offs = (tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]) * 4     # (BN, BM) byte offsets
-            if pid_k != 0:
-                tl.inline_asm_elementwise(_ST_SMEM, "=r,r,r", [offs, acc], dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise(_CLUSTER_SYNC, "=r,r", [tl.full([1], 0, tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-            if pid_k == 0:
-                for s in tl.static_range(1, SPLIT_K):
-                    acc += tl.inline_asm_elementwise(_LD_DSMEM, "=r,r,r", [offs, tl.full((BN, BM), s, tl.int32)],
-                                                     dtype=tl.float32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise(_CLUSTER_SYNC, "=r,r", [tl.full([1], 0, tl.int32)], dtype=tl.int32,
-                                      is_pure=False, pack=1)                  # rank 0 has read every partial
-            if pid_k == 0:
-                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
-        elif SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
+        if SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
             tile = pid_m * tl.num_programs(0) + pid_n
             mp = tl.num_programs(1) * BM                                              # padded token count
             tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
@@ -405,20 +378,13 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     cfg = dict(config or mm_config(M, N, K))
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
     split, per_split = split_k(KT, split)
-    use_asm = (not INTERPRET) if use_asm is None else use_asm
-    cluster = cfg.pop("CLUSTER", 0) if split > 1 and use_asm else 0
-    grid = (-(-N // BN), -(-M // BM), 1 if cluster else split)
+    grid = (-(-N // BN), -(-M // BM), split)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
-    args = (x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
-            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R)
-    kw = dict(BM=BM, BN=BN, SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
-              USE_ASM=use_asm, CLUSTER=cluster, **cfg)
-    if cluster:  # the same kernel, launched as clusters of `split` programs (the launcher multiplies grid x by them)
-        k = _nvfp4_mm_kernel.warmup(*args, grid=grid, **kw)
-        if k.packed_metadata[1] != split:
-            k.packed_metadata = (k.packed_metadata[0], split) + tuple(k.packed_metadata[2:])
-    _nvfp4_mm_kernel[grid](*args, **kw)
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
+                           M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
+                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
     return y
 
 
