@@ -306,9 +306,14 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
                 outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
                 torch.cuda.synchronize()
                 dt = time.time() - t0
+                t0 = time.time()
+                eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)   # the prefill alone
+                torch.cuda.synchronize()
+                dt1 = time.time() - t0
                 toks = sum(len(o.tokens) for o in outs)
                 kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
-                row = dict(size=size, base=base, batch=B, tok_s=toks / dt, ms_per_step=1e3 * dt / new_tokens,
+                row = dict(size=size, base=base, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
+                           decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
                            roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
                            peak_GB=torch.cuda.max_memory_allocated() / 1e9)
                 del eng
@@ -434,7 +439,7 @@ def main(argv=None):
                     help="with profile: the train half of `bench.py train` (this base) instead of a decode step")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
-    ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make")
+    ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make (each of ours and of F.linear)")
     ap.add_argument("--sweep", nargs="?", const="all", default=None, choices=["all", "wgmma", "mma"],
                     help="also time the candidate GEMM configs per (shape, M); optionally only the wgmma (4-8 warps) "
                          "or the mma.sync (1-2 warps or BN < 64) family")

@@ -4,6 +4,7 @@
     python bench.py profile --batches 64 --lora-rank 32  # the same with the RL step's LoRA on every linear
     python bench.py profile --train nvfp4                # the train half of `bench.py train` (or --train bf16)
     ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
+    python bench.py one --shape qkv --m 256 --iters 200          # also: host time per call, ours vs F.linear
 """
 import json
 import time
@@ -15,17 +16,28 @@ from bench import SHAPES_7B, random_model, random_nvfp4
 
 
 def run_one(shape: str, M: int, config: str | None, iters: int):
-    """A few plain calls of one GEMM, for profilers: ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1"""
+    """A few plain calls of one GEMM, for profilers (ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1),
+    then as many of bf16 F.linear; prints the host time per call of each (what an eager prefill pays per linear)."""
     import kernels
 
     N, K = SHAPES_7B[shape]
     _, (w,) = random_nvfp4(N, K, 1)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     cfg = json.loads(config) if config else None
-    for _ in range(iters):
-        kernels.nvfp4_mm(x, w, config=cfg)
-    torch.cuda.synchronize()
-    print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}")
+    wb = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    host = {}
+    ours = (lambda: kernels.nvfp4_mm(x, w, config=cfg)) if cfg else (lambda: kernels.nvfp4_linear(x, w))
+    for name, f in (("nvfp4_mm" if cfg else "nvfp4_linear", ours),
+                    ("F.linear bf16", lambda: torch.nn.functional.linear(x, wb))):
+        f()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            f()
+        host[name] = (time.perf_counter() - t0) / iters * 1e6   # launch cost on the host (no sync in the loop)
+        torch.cuda.synchronize()
+    print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}; host time per call: "
+          + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
 
 
 def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_rank: int = 0):
@@ -58,7 +70,10 @@ def print_kernel_table(profs, per: int, what: str, unit: str):
             if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
                 t[e.key] = t.get(e.key, 0.0) + sign * e.self_device_time_total
                 n[e.key] = n.get(e.key, 0) + sign * e.count
-    total, launches = sum(v for v in t.values() if v > 0), sum(v for v in n.values() if v > 0)
+    # a kernel whose launches cancel out ran only in the subtracted profile (the prefill): its time difference is
+    # run-to-run noise of that profile, not part of the unit
+    t = {k: v for k, v in t.items() if n[k] > 0 and v > 0}
+    total, launches = sum(t.values()), sum(n[k] for k in t)
     print(f"{what}: {total / per / 1e3:.3f} ms of kernels in {launches / per:.0f} launches per {unit}")
     for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:25]:
         print(f"{v / per / 1e3:9.3f} ms {100 * v / total:5.1f}% {n[k] / per:7.1f}x  {k[:100]}")
