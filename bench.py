@@ -15,8 +15,7 @@ only streams the NVFP4 words and scales from HBM ("read floor": the speedup no k
 
 Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two sides of a ratio
 replayed in turn (paired_us); weights are rotated over enough copies that every call reads them from HBM, not L2
-(50 MB). Speedups are ours / torch bf16 measured in the
-same run. Needs a CUDA GPU.
+(50 MB). Speedups are ours / torch bf16 measured in the same run. Needs a CUDA GPU.
 """
 import argparse
 import gc
@@ -474,11 +473,7 @@ def main(argv=None):
             bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf)
         else:
             bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return 0
-    parts = args.parts.split(",")
+    parts = args.parts.split(",") if args.what == "kernels" else []
     if "gemm" in parts:
         bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out)
     if "dgrad" in parts:
