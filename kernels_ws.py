@@ -84,6 +84,14 @@ def _on_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
+@functools.cache  # built once: a layout object costs about 18 us of host time, a third of an eager call's
+def _smem_layouts(BM: int):
+    """Shared-memory layouts of the TMA boxes: words (BN, 16), scales (BN / 2, 4) (16-byte rows), tokens (BM, 128)."""
+    return (gl.NVMMASharedLayout.get_default_for([BN, 16], gl.int32),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16))
+
+
 def usable(x2: torch.Tensor) -> bool:
     """True where this kernel may run: Gluon present, a Hopper GPU, bf16 tokens whose base TMA can address."""
     return (gluon is not None and x2.is_cuda and not kernels.INTERPRET and x2.dtype == torch.bfloat16
@@ -309,15 +317,14 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
-    w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16],
-                                          gl.NVMMASharedLayout.get_default_for([BN, 16], gl.int32))
-    s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4],
-                                          gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    wl, sl, xl = _smem_layouts(BM)
+    w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16], wl)
+    s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4], sl)
     if M < BM and -(-w.n // BN) * split > 132:
         # fewer tokens than a tile and more programs than SMs: pad the tokens (see _ws_kernel; gate_up at 96 tokens:
         # 96 -> 75 us); with few programs a box past the rows costs nothing measurable and padding 3 us
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, BM - M))
-    x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16))
+    x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], xl)
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
     grid = (-(-w.n // BN), -(-M // BM), split)
     ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
