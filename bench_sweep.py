@@ -21,10 +21,6 @@ def sweep_configs(M, N, K, family: str = "all"):
 
     With 4 or 8 warps and BN >= 64 the dot runs on wgmma (Hopper warp-group MMA); with 1-2 warps, or BN < 64, Triton
     falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
-    if family == "gemv":  # CUDA-core GEMV (kernels._nvfp4_gemv_kernel) for one token: BN rows a program, KW K tiles a step
-        return [dict(GEMV=1, BN=BN, KW=KW, num_warps=nw, num_stages=st) for BN in (16, 32, 64) for KW in (1, 2, 4)
-                for nw in (1, 2, 4, 8) for st in (3, 6) if BN * KW * 16 <= 128 * 32 * nw and BN * KW * 8 >= 32 * nw
-                and KW <= K // 128] if M == 1 else []
     BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
     pairs = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)] if family != "mma" else []  # (BN, warps): wgmma
     if M <= 64 and family != "wgmma":

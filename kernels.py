@@ -28,7 +28,8 @@ says it wins (bench.py kernels --parts ws); everything else runs the kernel belo
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
 split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
-the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower; KERNELS.md).
+the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower; KERNELS.md), a CUDA-core GEMV for one token
+(no fixup, but 1.3-1.9x slower: issue-bound; KERNELS.md).
 """
 import functools
 import os
@@ -179,10 +180,6 @@ if triton is not None:
 
     _CODE_ASM = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
         _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
-    # the same for unpacked operands (the GEMV): words $8, $9, multiplier of block r in $(10 + r)
-    _CODE_ASM1 = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
-        _bits_ptx(w, o) + f" mul.rn.bf16x2 ${4 * h + o}, t0, ${10 + 4 * h + o};\n"
-        for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
 
     @triton.jit
     def _e2m1_twin(words, sw0, sw1, BN: tl.constexpr):
@@ -291,70 +288,6 @@ if triton is not None:
             _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
     @triton.jit
-    def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, N, NP, K, KT, R,
-                           BN: tl.constexpr, KW: tl.constexpr, STAGES: tl.constexpr, EXACT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0):
-        # one token on CUDA-core FMAs: a program takes BN rows over all of K, KW K tiles at a time (no split, no fixup)
-        n = tl.program_id(0) * BN + tl.arange(0, BN)                          # rows of W
-        kw = tl.arange(0, KW)                                                 # K tile within a step
-        p = tl.arange(0, 8)                                                   # column pair (2p, 2p + 1) of a block
-        row = kw[:, None] * NP + n[None, :]                                   # (KW, BN) row of words
-        wp = w_ptr + (row * 16)[:, :, None, None] + (2 * p[:, None] + tl.arange(0, 2)[None, :])[None, None]  # (KW, BN, 8, 2)
-        sp = s_ptr + (row * 2)[:, :, None] + tl.arange(0, 2)[None, None, :]   # (KW, BN, 2) scale words
-        if USE_ASM:  # x as int32 bf16 pairs, so its loads are 4-byte async copies like the weights'
-            xp = x_ptr.to(tl.pointer_type(tl.int32)) + (kw * 64)[:, None, None] + p[None, None, :]  # (KW, 1, 8)
-            acc0 = tl.zeros((KW, BN, 8), dtype=tl.float32)                    # even columns
-            acc1 = tl.zeros((KW, BN, 8), dtype=tl.float32)                    # odd columns
-        else:
-            xp = x_ptr + (kw * 128)[:, None, None] + tl.arange(0, 128)[None, None, :]  # (KW, 1, 128)
-            acc = tl.zeros((KW, BN, 128), dtype=tl.float32)
-        for t in tl.range(0, tl.cdiv(KT, KW), num_stages=STAGES):  # an explicit depth: Triton pipelines loads that feed no dot
-            if EXACT:  # K a multiple of 128 * KW: no masks
-                words = tl.load(wp + t * KW * NP * 16)                        # (KW, BN, 8, 2) int32
-                sw0, sw1 = tl.split(tl.load(sp + t * KW * NP * 2))            # (KW, BN) int32 each
-            else:
-                tm = t * KW + kw < KT
-                words = tl.load(wp + t * KW * NP * 16, mask=tm[:, None, None, None], other=0)
-                sw0, sw1 = tl.split(tl.load(sp + t * KW * NP * 2, mask=tm[:, None, None], other=0))
-            if USE_ASM:  # 8 bf16x2 (KW, BN, 8) products q * s * 2^-119: block r, columns 2p, 2p + 1
-                wa, wb = tl.split(words)                                      # word 2p (blocks 0-3), 2p + 1 (4-7)
-                m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
-                    _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-                sh: tl.constexpr = (KW, BN, 8)
-                q = tl.inline_asm_elementwise(
-                    _CODE_ASM1, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 10,
-                    [wa, wb, tl.broadcast_to(m0[:, :, None], sh), tl.broadcast_to(m1[:, :, None], sh),
-                     tl.broadcast_to(m2[:, :, None], sh), tl.broadcast_to(m3[:, :, None], sh),
-                     tl.broadcast_to(m4[:, :, None], sh), tl.broadcast_to(m5[:, :, None], sh),
-                     tl.broadcast_to(m6[:, :, None], sh), tl.broadcast_to(m7[:, :, None], sh)],
-                    dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-                for r in tl.static_range(8):
-                    if EXACT:
-                        xr = tl.load(xp + t * KW * 64 + 8 * r)                # (KW, 1, 8) int32: bf16 pairs
-                    else:
-                        xr = tl.load(xp + t * KW * 64 + 8 * r, other=0,
-                                     mask=((t * KW + kw) * 128 + 16 * r)[:, None, None] + 2 * p[None, None, :] < K)
-                    acc0 += (q[r] << 16).to(tl.float32, bitcast=True) * (xr << 16).to(tl.float32, bitcast=True)
-                    acc1 += (q[r] & -65536).to(tl.float32, bitcast=True) * (xr & -65536).to(tl.float32, bitcast=True)
-            else:  # the interpreter: the pure-Triton twin
-                wt = _e2m1_twin(tl.reshape(words, (KW * BN, 16)), tl.reshape(sw0, (KW * BN,)),
-                                tl.reshape(sw1, (KW * BN,)), KW * BN)                # (KW * BN, 128)
-                xt = tl.load(xp + t * KW * 128, mask=((t * KW + kw) * 128)[:, None, None] + tl.arange(0, 128) < K,
-                             other=0.0)                                       # (KW, 1, 128)
-                acc += tl.reshape(wt, (KW, BN, 128)).to(tl.float32) * xt.to(tl.float32)
-        if USE_ASM:
-            acc = acc0 + acc1
-        y = tl.sum(tl.sum(acc, axis=2), axis=0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))  # (BN,)
-        if RP > 0:  # + the LoRA term B @ xa (xa: (R,), B: (N, R))
-            r = tl.arange(0, RP)
-            bt = tl.load(lb_ptr + n[:, None] * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-            xa = tl.load(xa_ptr + r, mask=r < R, other=0.0)
-            y += tl.sum(bt.to(tl.float32) * xa.to(tl.float32)[None, :], axis=1)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + n, y.to(y_ptr.dtype.element_ty), mask=n < N)
-
-    @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
                               USE_ASM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -444,18 +377,6 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
-    RP = max(16, triton.next_power_of_2(R)) if R else 0
-    USE_ASM = (not INTERPRET) if use_asm is None else use_asm
-    if cfg.pop("GEMV", 0):  # one token on CUDA cores: BN rows a program, KW K tiles a step, no K split
-        if M != 1:
-            raise ValueError(f"the GEMV config takes one token, got M = {M}")
-        y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-        BN, KW = cfg.pop("BN"), cfg.pop("KW")
-        _nvfp4_gemv_kernel[(-(-N // BN),)](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y,
-                                           xa, lb, N, w.words.shape[1], K, KT, R, BN=BN, KW=KW,
-                                           STAGES=cfg.pop("num_stages"), EXACT=K % (128 * KW) == 0,
-                                           HAS_BIAS=bias is not None, USE_ASM=USE_ASM, RP=RP, **cfg)
-        return y
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
     split, per_split = split_k(KT, split)
     grid = (-(-N // BN), -(-M // BM), split)
@@ -463,7 +384,8 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
-                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=USE_ASM, **cfg)
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
+                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
     return y
 
 

@@ -206,46 +206,6 @@ def test_gemm_lora_epilogue(device, M, R, split):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("N,Kd,BN,KW,warps,lora", [(64, 16, 16, 1, 1, 0), (80, 144, 32, 2, 2, 0), (130, 400, 16, 4, 2, 8),
-                                                   (96, 256, 64, 2, 4, 0), (48, 272, 16, 1, 1, 24)])
-def test_gemv_matches_reference(device, N, Kd, BN, KW, warps, lora):
-    """The CUDA-core GEMV for one token (BN rows a program over all of K, KW K tiles a step) against the fp32
-    expectation, with bias, K not a multiple of 128 * KW and the LoRA epilogue; on CUDA the PTX dequant also
-    against the pure-Triton twin."""
-    w, _ = make_weight(N, Kd, seed=N + Kd, device=device)
-    g = torch.Generator().manual_seed(N)
-    x = torch.randn(1, Kd, generator=g).to(device, torch.bfloat16)
-    bias = torch.randn(N, generator=g).to(device, torch.bfloat16)
-    cfg = dict(GEMV=1, BN=BN, KW=KW, num_warps=warps, num_stages=3)
-    lo = None
-    if lora:
-        lo = (torch.randn(1, lora, generator=g).to(device, torch.bfloat16),
-              (0.1 * torch.randn(N, lora, generator=g)).to(device, torch.bfloat16))
-    y = K.nvfp4_mm(x, w, bias, config=cfg, lora=lo)
-    y32, tol = expected(x, w, bias)
-    if lora:
-        term = lo[0].float() @ lo[1].float().t()
-        y32, tol = y32 + term, tol + ROUND[device] * term.abs() + 1e-5 * (lo[0].float().abs() @ lo[1].float().abs().t())
-    assert y.shape == (1, N) and ((y.float() - y32).abs() <= tol).all(), (y.float() - y32).abs().max()
-    if device == "cuda":
-        twin = K.nvfp4_mm(x, w, bias, config=cfg, lora=lo, use_asm=False)
-        assert ((twin.float() - y32).abs() <= tol).all()
-    with pytest.raises(ValueError, match="takes one token"):
-        K.nvfp4_mm(torch.cat([x, x]), w, bias, config=cfg)
-
-
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
-def test_gemv_7b_shapes_cuda(N, Kd):
-    w, _ = make_weight(N, Kd, seed=N, device="cuda")
-    x = torch.randn(1, Kd, device="cuda").to(torch.bfloat16)
-    y32, tol = expected(x, w)
-    for BN, KW, warps in ((16, 1, 1), (32, 2, 2), (16, 4, 4), (64, 4, 8)):
-        y = K.nvfp4_mm(x, w, config=dict(GEMV=1, BN=BN, KW=KW, num_warps=warps, num_stages=4))
-        assert ((y.float() - y32).abs() <= tol).all(), (BN, KW, warps, ((y.float() - y32).abs() / tol).max().item())
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_dequant_kernel(device):
     w, (packed, scale, gs) = make_weight(80, 272, seed=1, device=device)
     got = K.dequantize(w)
