@@ -39,8 +39,9 @@ def learned(rows) -> bool:
 # samples (grpo / dapo / dr_grpo, bf16 and NVFP4 + AQN), sampled accuracy over the first five steps -> the last five:
 # 0.08-0.09 -> 0.33-0.38 on a 2-core CPU (fp32), 0.12-0.16 -> 0.28-0.34 on an H100 (bf16); greedy accuracy on 8
 # held-out prompts 0.0 -> 1.0 on both. With the advantages' sign flipped: 0.08 -> 0.00, greedy 0.0 -> 0.0. Twenty
-# steps were too few on the GPU: over seeds 0-3 there, 10 of 24 runs missed a criterion (dapo at seed 0: 0.12 -> 0.17),
-# while at 30 steps all 24 reached greedy 1.0 and 22 the sampled threshold. Thresholds (learned()): start < 0.25,
+# steps were too few on the GPU: over seeds 0-3 there (`python tests/learning_seeds.py --steps 20`), 10 of 24 runs
+# missed a criterion of the earlier test (3-step windows, end >= start + 0.1; dapo at seed 0: 0.08 -> 0.18), while at
+# 30 steps all 24 reached greedy 1.0 and 22 the sampled threshold. Thresholds (learned()): start < 0.25,
 # end >= start + 0.05, greedy 0.2 or less before and 0.9 or more after.
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
