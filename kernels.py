@@ -28,8 +28,8 @@ says it wins (bench.py kernels --parts ws); everything else runs the kernel belo
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
 split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
-the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower; KERNELS.md), a CUDA-core GEMV for one token
-(no fixup, but 1.3-1.9x slower: issue-bound; KERNELS.md).
+the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower), a CUDA-core
+GEMV for one token (no fixup, but 1.3-1.9x slower: issue-bound). All measured in KERNELS.md.
 """
 import functools
 import os

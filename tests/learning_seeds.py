@@ -29,20 +29,17 @@ def main(argv=None):
     ok = total = 0
     for algo in args.algos.split(","):
         for base in args.bases.split(","):
-            aqn = ["--aqn", "--sigma-start", "1e-2", "--aqn-stages", "4"] if base == "nvfp4" else ["--no-aqn"]
             for seed in range(args.seeds):
                 out = os.path.join(tempfile.mkdtemp(), "run")
                 train.main(["--out", out, "--algo", algo, "--base", base, "--steps", str(args.steps), "--seed",
-                            str(seed)] + test_train.FAST + aqn + extra)
+                            str(seed)] + test_train.FAST + test_train.base_args(base) + extra)
                 rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
                 acc = [r["accuracy"] for r in rows if "accuracy" in r]
-                ev = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-                mean = lambda v: sum(v) / len(v)  # noqa: E731
+                s, e, e0, e1 = test_train.learning(rows)                      # 5-step windows, greedy before / after
                 good = test_train.learned(rows)
                 ok, total = ok + good, total + 1
-                print(f"RESULT {algo} {base} seed {seed}: 3-step {mean(acc[:3]):.3f} -> {mean(acc[-3:]):.3f}  5-step "
-                      f"{mean(acc[:5]):.3f} -> {mean(acc[-5:]):.3f}  greedy {ev[0]:.2f} -> {ev[-1]:.2f}  "
-                      f"learned {good}", flush=True)
+                print(f"RESULT {algo} {base} seed {seed}: 3-step {sum(acc[:3]) / 3:.3f} -> {sum(acc[-3:]) / 3:.3f}  "
+                      f"5-step {s:.3f} -> {e:.3f}  greedy {e0:.2f} -> {e1:.2f}  learned {good}", flush=True)
     print(f"learned in {ok} of {total} runs")
 
 

@@ -23,6 +23,11 @@ def run(tmp_path, name, *args):
 STEPS = "30"
 
 
+def base_args(base: str) -> list[str]:
+    """train.py flags for the learning runs: bf16 without AQN, NVFP4 with AQN (one decay stage after stage 0)."""
+    return ["--aqn", "--sigma-start", "1e-2", "--aqn-stages", "4"] if base == "nvfp4" else ["--no-aqn"]
+
+
 def learning(rows):
     """(sampled accuracy: mean of the first 5 steps, of the last 5; greedy eval accuracy: before, after)."""
     acc = [r["accuracy"] for r in rows if "accuracy" in r]
@@ -47,8 +52,7 @@ def learned(rows) -> bool:
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("base", ["bf16", "nvfp4"])
 def test_reward_rises(tmp_path, algo, base):
-    aqn = ["--aqn", "--sigma-start", "1e-2", "--aqn-stages", "4"] if base == "nvfp4" else ["--no-aqn"]
-    rc, rows, out = run(tmp_path, f"{algo}-{base}", "--algo", algo, "--base", base, "--steps", STEPS, *aqn)
+    rc, rows, out = run(tmp_path, f"{algo}-{base}", "--algo", algo, "--base", base, "--steps", STEPS, *base_args(base))
     s, e, e0, e1 = learning(rows)
     print(f"{algo} {base}: sampled accuracy {s:.3f} -> {e:.3f}, greedy {e0:.3f} -> {e1:.3f}")
     assert rc == 0 and learned(rows)
