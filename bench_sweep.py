@@ -21,6 +21,8 @@ def sweep_configs(M, N, K, family: str = "all"):
 
     With 4 or 8 warps and BN >= 64 the dot runs on wgmma (Hopper warp-group MMA); with 1-2 warps, or BN < 64, Triton
     falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
+    if family == "ks":
+        return ks_configs(M, N, K)
     BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
     pairs = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)] if family != "mma" else []  # (BN, warps): wgmma
     if M <= 64 and family != "wgmma":
@@ -36,6 +38,23 @@ def sweep_configs(M, N, K, family: str = "all"):
                 for stages in (2, 3, 4):
                     for peel in ((0, 1) if M > 16 else (0,)):
                         out.append(dict(BM=BM, BN=BN, SPLIT_K=split, num_warps=nw, num_stages=stages, PEEL=peel))
+    return out
+
+
+def ks_configs(M, N, K):
+    """Configs of the K-sliced kernel (KS slices of K per program, one warp each or two, summed at the end: no
+    split-K workspace): token tile BM = M rounded up to a power of two, 16-64 weight rows, 2-8 slices, 2-4 stages,
+    where the ring's buffers fit in 200 KB of shared memory."""
+    BM = 1 << (M - 1).bit_length()
+    if BM > 64:
+        return []
+    out = []
+    for BN in (16, 32, 64):
+        for KS in (2, 4, 8):
+            for nw in (KS, 2 * KS):
+                for stages in (2, 3, 4):
+                    if (stages - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024 and BN * BM * KS <= 128 * 32 * nw:
+                        out.append(dict(BM=BM, BN=BN, KS=KS, num_warps=nw, num_stages=stages))
     return out
 
 

@@ -288,6 +288,32 @@ if triton is not None:
             _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
 
     @triton.jit
+    def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, M, N, NP, K, KT, stride_xm,
+                            stride_ym, R, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0):
+        # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch index of a 3-D dot
+        # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end, so no
+        # workspace, counter or second pass over partial sums
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        n = pid_n * BN + tl.arange(0, BN)                                                 # rows of W
+        m = pid_m * BM + tl.arange(0, BM)                                                 # tokens
+        ks, kk = tl.arange(0, KS), tl.arange(0, 128)
+        acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
+        for i in range(0, tl.cdiv(KT, KS)):
+            t = i * KS + ks                                                               # (KS,) K tiles
+            live = (t < KT)[:, None, None]
+            wo = (t[:, None, None] * NP + n[None, :, None])                               # (KS, BN, 1) tile rows
+            words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)   # (KS, BN, 16)
+            sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)        # (KS, BN, 2)
+            sw0, sw1 = tl.split(tl.reshape(sc, (KS * BN, 2)))
+            wt = _dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, USE_ASM)
+            k = t[:, None, None] * 128 + kk[None, :, None]                                # (KS, 128, 1)
+            xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
+            acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)                   # (KS, BN, BM) fp32
+        acc = tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))       # (BN, BM)
+        _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+
+    @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
                               USE_ASM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -377,6 +403,15 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
+    RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
+    if "KS" in cfg:  # K sliced inside the program (no split-K workspace)
+        BM, BN = cfg.pop("BM"), cfg.pop("BN")
+        y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+        _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
+            x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N,
+            w.words.shape[1], K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP,
+            USE_ASM=asm, **cfg)
+        return y
     BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
     split, per_split = split_k(KT, split)
     grid = (-(-N // BN), -(-M // BM), split)
@@ -384,8 +419,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
-                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=max(16, triton.next_power_of_2(R)) if R else 0,
-                           USE_ASM=(not INTERPRET) if use_asm is None else use_asm, **cfg)
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
 
 

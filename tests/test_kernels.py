@@ -99,6 +99,28 @@ def test_gemm_first_tile_peeled(device, cfg):
     assert torch.equal(y, K.nvfp4_mm(x, w, config=dict(cfg, PEEL=0)))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,N,Kd,BM,BN,KS", [(1, 64, 16, 1, 16, 2), (1, 80, 400, 1, 16, 4), (3, 96, 1104, 4, 32, 4),
+                                             (16, 130, 256, 16, 16, 8), (9, 64, 1104, 16, 64, 2)])
+def test_gemm_k_sliced(device, M, N, Kd, BM, BN, KS):
+    """The K-sliced kernel (config KS: K tiles dealt round-robin to KS slices of one program, summed at the end)
+    against the fp32 expectation: K tiles that do not fill the last round (4 tiles over 8 slices, 9 over 2 or 4),
+    partial row and token tiles, a bias and the LoRA epilogue term."""
+    w, _ = make_weight(N, Kd, seed=M + Kd, device=device)
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(M, Kd, generator=g).to(device, torch.bfloat16)
+    bias = torch.randn(N, generator=g).to(device, torch.bfloat16)
+    xa, B = torch.randn(M, 8, generator=g).to(device, torch.bfloat16), (0.1 * torch.randn(N, 8, generator=g)).to(device, torch.bfloat16)
+    cfg = dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=2)
+    y = K.nvfp4_mm(x, w, bias, config=cfg)
+    y32, tol = expected(x, w, bias)
+    assert ((y.float() - y32).abs() <= tol).all(), (y.float() - y32).abs().max()
+    yl = K.nvfp4_mm(x, w, bias, config=cfg, lora=(xa, B))
+    term = xa.float() @ B.float().t()
+    tol = tol + ROUND[device] * term.abs() + 1e-5 * (xa.float().abs() @ B.float().abs().t())
+    assert ((yl.float() - y32 - term).abs() <= tol).all()
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Gluon kernels have no CPU interpreter)")
 @pytest.mark.parametrize("M,N,Kd", [(40, 64, 16), (33, 130, 1104), (64, 200, 272), (100, 130, 1104), (513, 96, 400),
                                     (130, 96, 768), (200, 4608, 3584)])
