@@ -127,7 +127,7 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
                     res.append((t, cfg))
                 res.sort(key=lambda r: r[0])
                 row["best_cfg"], row["best_us"] = res[0][1], res[0][0]
-                row["sweep"] = [(round(t, 2), c) for t, c in res[:5]]
+                row["sweep"] = [(round(t, 2), c) for t, c in res]
                 best_cfgs[f"{name}/{M}"] = res[0][1]
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
