@@ -28,6 +28,7 @@ import time
 import torch
 
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+SHAPES_32B = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)}
 L2_BYTES = 50 * 2**20
 
 
@@ -88,7 +89,7 @@ def random_nvfp4(N, K, copies):
     return w, ws
 
 
-def bench_gemm(Ms, sweep: str | None, out: dict):
+def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
     import bench_sweep
     import kernels
 
@@ -97,8 +98,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
     if sweep:
-        bench_sweep.precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep)
-    for name, (N, K) in SHAPES_7B.items():
+        bench_sweep.precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep, shapes)
+    for name, (N, K) in shapes.items():
         w_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         wb = [w_bf16] + [w_bf16.clone() for _ in range(copies_for(N * K * 2) - 1)]
         _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
@@ -135,8 +136,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict):
     out["gemm"] = rows
     if sweep:
         out["best_cfgs"] = best_cfgs
-    print("\n| M | " + " | ".join(SHAPES_7B) + " | geomean | same-bytes bound | read floor |\n|---|"
-          + "---|" * (len(SHAPES_7B) + 3))
+    print("\n| M | " + " | ".join(shapes) + " | geomean | same-bytes bound | read floor |\n|---|"
+          + "---|" * (len(shapes) + 3))
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     for M in Ms:
         sp = [r["speedup"] for r in rows if r["M"] == M]
@@ -427,7 +428,7 @@ def main(argv=None):
                     help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
                          "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
                          "decode step (--size, first of --batches) or of an RL step's train half (--train)")
-    ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train")
+    ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train, and the linear shapes of `kernels --parts gemm`")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
     ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
@@ -475,7 +476,7 @@ def main(argv=None):
             bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
     parts = args.parts.split(",") if args.what == "kernels" else []
     if "gemm" in parts:
-        bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out)
+        bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out, SHAPES_32B if args.size == "32b" else SHAPES_7B)
     if "dgrad" in parts:
         bench_dgrad(out)
     if "rmsnorm" in parts:

@@ -53,14 +53,14 @@ def ks_configs(M, N, K):
             for st in (2, 3, 4, 5, 6, 8) if (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024]
 
 
-def _compile_worker(rank: int, jobs: int, Ms, family: str):
+def _compile_worker(rank: int, jobs: int, Ms, family: str, shapes: dict):
     """Compile (by running once) this worker's share of the sweep configs, so the timing process finds them cached."""
     import kernels
 
-    keys = sorted({(M, json.dumps(c, sort_keys=True)) for N, K in bench.SHAPES_7B.values() for M in Ms
+    keys = sorted({(M, json.dumps(c, sort_keys=True)) for N, K in shapes.values() for M in Ms
                    if M < kernels.LARGE_M for c in sweep_configs(M, N, K, family)})
     mine = {k for i, k in enumerate(keys) if i % jobs == rank}
-    for N, K in bench.SHAPES_7B.values():
+    for N, K in shapes.values():
         KT, Np = -(-K // 128), -(-N // 128) * 128                        # the values do not matter for compiling
         w = kernels.NVFP4Weight(torch.zeros(KT, Np, 16, dtype=torch.int32, device="cuda"),
                                 torch.zeros(KT, Np, 2, dtype=torch.int32, device="cuda"),
@@ -76,11 +76,11 @@ def _compile_worker(rank: int, jobs: int, Ms, family: str):
     torch.cuda.synchronize()
 
 
-def precompile(Ms, jobs: int, family: str):
+def precompile(Ms, jobs: int, family: str, shapes: dict):
     import torch.multiprocessing as mp
 
     t0 = time.time()
-    mp.start_processes(_compile_worker, args=(jobs, Ms, family), nprocs=jobs, start_method="spawn")
+    mp.start_processes(_compile_worker, args=(jobs, Ms, family, shapes), nprocs=jobs, start_method="spawn")
     print(f"compiled the sweep configs in {time.time() - t0:.0f} s with {jobs} processes", file=sys.stderr)
 
 
