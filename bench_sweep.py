@@ -45,11 +45,13 @@ def ks_configs(M, N, K):
     """Configs of the K-sliced kernel (KS slices of K per program, one warp each, summed at the end: no split-K
     workspace): token tile BM = M rounded up to a power of two (up to 16: at 64 tokens it ran 1.3-2.1x slower than
     the dispatch), 16 or 32 weight rows, 2-8 slices, 2-8 stages, where the ring's buffers fit in 200 KB of shared
-    memory."""
+    memory; and first, for comparison, the split-K config the dispatch would take without the K-sliced kernel."""
+    import kernels
+
     BM = 1 << (M - 1).bit_length()
     if BM > 16:
         return []
-    return [dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=st) for BN in (16, 32) for KS in (2, 4, 8)
+    return [kernels.mm_config(M, N, K, sliced=False)] + [dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=st) for BN in (16, 32) for KS in (2, 4, 8)
             for st in (2, 3, 4, 5, 6, 8) if (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024]
 
 

@@ -345,11 +345,11 @@ def _workspace(device, floats: int, tiles: int):
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
 
-    Up to 8 tokens (with sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 16 weight rows and 4
-    slices of K (4 warps, 4 stages), or where there are many row tiles (gate_up) 32 rows and 2 slices (3 stages):
-    the best or within 3% of the best of `--sweep ks` in every case at 1-8 tokens, 1.0-1.3x faster than the split-K
-    configs below (o at 1 token 5.8 vs 7.5 us, gate_up 30.4 vs 33.2 us). At 16 tokens the token tiles it re-reads for
-    every 16 weight rows make it slower on three shapes of four.
+    Up to 8 tokens (with sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 slices of K (4 warps,
+    4 stages), 16 weight rows, or 32 where there are many row tiles (gate_up); over the 7B and 32B shapes at 1-8
+    tokens (`--sweep ks`, `--size 32b`) the most even choice: within 12% of each case's best, 1-3% on average. It
+    is 1.0-1.3x faster than the split-K configs below (7B o at 1 token 5.8 vs 7.5 us, gate_up 30.4 vs 33.2 us). At
+    16 tokens the token tiles it re-reads for every 16 weight rows make it slower on three shapes of four.
     Otherwise BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
     64-row tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are
     enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at
@@ -363,8 +363,8 @@ def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> di
     """
     KT, cdiv = -(-K // 128), lambda a, b: -(-a // b)
     if sliced and M <= 8:
-        BN, KS, stages = (32, 2, 3) if cdiv(N, 16) >= 8 * sms else (16, 4, 4)
-        return dict(BM=1 << (M - 1).bit_length(), BN=BN, KS=KS, num_warps=KS, num_stages=stages)
+        BN = 32 if cdiv(N, 16) >= 8 * sms else 16
+        return dict(BM=1 << (M - 1).bit_length(), BN=BN, KS=4, num_warps=4, num_stages=4)
     t128 = cdiv(N, 128) * cdiv(M, 128)
     if M <= 64:
         BM, BN, warps, stages, fill = (16 if M <= 16 else 32 if M <= 32 else 64), 64, 4, 3, (7.0 if M <= 16 else 2.5)
