@@ -22,6 +22,10 @@ subnormal; the fp8 scale byte shifted left by 4 is s * 2^-120 as bf16, times 2^1
 q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies by 2^119 / global_scale once. Split-K programs
 park partial sums in a workspace and the last one to finish (a counter per output tile) writes the result, so a
 call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
+1-8 tokens run the K-sliced kernel instead: a program owns 16 or 32 weight rows over all of K, its 4 warps take
+every 4th K tile each (the batch index of a 3-D dot, which Triton runs on mma.sync, one warp per slice) and the 4
+partial tiles are summed once at the end, so there is no workspace and no fixup (1.03-1.5x faster than split-K
+there; at 16 tokens it re-reads the token tile for every 16 rows and loses).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
 On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
 says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
@@ -29,7 +33,8 @@ says it wins (bench.py kernels --parts ws); everything else runs the kernel belo
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
 split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
 the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower), a CUDA-core
-GEMV for one token (no fixup, but 1.3-1.9x slower: issue-bound). All measured in KERNELS.md.
+GEMV for one token (no fixup, but 1.3-1.9x slower: issue-bound), the K-sliced kernel above 8 tokens. All measured in
+KERNELS.md.
 """
 import functools
 import os
