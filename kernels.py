@@ -311,7 +311,7 @@ if triton is not None:
             words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)   # (KS, BN, 16)
             sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)        # (KS, BN, 2)
             sw0, sw1 = tl.split(tl.reshape(sc, (KS * BN, 2)))
-            wt = _dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, USE_ASM)
+            wt = _dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, USE_ASM)  # (KS * BN, 128)
             k = t[:, None, None] * 128 + kk[None, :, None]                                # (KS, 128, 1)
             xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
             acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)                   # (KS, BN, BM) fp32
@@ -350,12 +350,10 @@ def _workspace(device, floats: int, tiles: int):
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
 
-    Up to 8 tokens (with sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 slices of K (4 warps,
-    4 stages), 16 weight rows, or 32 where there are many row tiles (gate_up); over the 7B and 32B shapes at 1-8
-    tokens (`--sweep ks`, `--size 32b`) the most even choice: within 12% of each case's best, 1-3% on average. It
-    is 1.0-1.3x faster than the split-K configs below (7B o at 1 token 5.8 vs 7.5 us, gate_up 30.4 vs 33.2 us). At
-    16 tokens the token tiles it re-reads for every 16 weight rows make it slower on three shapes of four.
-    Otherwise BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
+    Up to 8 tokens (sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 K slices (4 warps, 4
+    stages), 16 weight rows (32 where row tiles are many: gate_up); the most even config over the 7B and 32B shapes
+    (`--sweep ks [--size 32b]`: within 12% of each case's best), 1.03-1.5x faster than the split-K configs below. At
+    16 tokens, re-reading the token tile for every 16 rows makes it slower on three shapes of four. Otherwise BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
     64-row tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are
     enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at
     17..64 tokens a long K (down_proj) is split up to one full wave of 3 programs per SM while each split keeps
@@ -404,6 +402,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
              lora=None):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
 
+    config: a dict as mm_config returns (BM, BN, SPLIT_K, ... or, for the K-sliced kernel, BM, BN, KS, ...).
     lora=(xa, B): also add xa @ B^T in the epilogue (xa = x @ A^T (M, R), B (N, R), R <= 128; the rollout's LoRA).
     use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
     (M, K), (xa, lb) = x2.shape, lora if lora is not None else (x2, x2)
