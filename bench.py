@@ -116,8 +116,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
                 t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])
                 row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq, read_floor_us=t_read,
                            floor_speedup=t_bf16 / t_read)
-            if sweep and M < kernels.LARGE_M:
-                cands = bench_sweep.sweep_configs(M, N, K, sweep)
+            cands = bench_sweep.sweep_configs(M, N, K, sweep) if sweep and M < kernels.LARGE_M else []
+            if cands:  # (the ks family has none above 16 tokens)
                 res = []
                 for cfg in cands:
                     try:
@@ -428,7 +428,8 @@ def main(argv=None):
                     help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
                          "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
                          "decode step (--size, first of --batches) or of an RL step's train half (--train)")
-    ap.add_argument("--size", default="7b", choices=sorted(QWEN), help="model shape for model / rollout / train, and the linear shapes of `kernels --parts gemm`")
+    ap.add_argument("--size", default="7b", choices=sorted(QWEN),
+                    help="model shape for model / rollout / train, and the linear shapes of `kernels --parts gemm`")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")
     ap.add_argument("--new-tokens", type=int, default=512, help="with rollout / train: tokens generated per sequence")
     ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
@@ -476,7 +477,8 @@ def main(argv=None):
             bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
     parts = args.parts.split(",") if args.what == "kernels" else []
     if "gemm" in parts:
-        bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out, SHAPES_32B if args.size == "32b" else SHAPES_7B)
+        shapes = SHAPES_32B if args.size == "32b" else SHAPES_7B
+        bench_gemm([int(m) for m in args.m.split(",")], args.sweep, out, shapes)
     if "dgrad" in parts:
         bench_dgrad(out)
     if "rmsnorm" in parts:

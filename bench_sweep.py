@@ -51,8 +51,9 @@ def ks_configs(M, N, K):
     BM = 1 << (M - 1).bit_length()
     if BM > 16:
         return []
-    return [kernels.mm_config(M, N, K, sliced=False)] + [dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=st) for BN in (16, 32) for KS in (2, 4, 8)
-            for st in (2, 3, 4, 5, 6, 8) if (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024]
+    return [kernels.mm_config(M, N, K, sliced=False)] + [
+        dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=st) for BN in (16, 32) for KS in (2, 4, 8)
+        for st in (2, 3, 4, 5, 6, 8) if (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024]
 
 
 def _compile_worker(rank: int, jobs: int, Ms, family: str, shapes: dict):
@@ -212,8 +213,9 @@ def ablate(out: dict):
 
 
 def splits(out: dict):
-    """python bench.py kernels --parts splits: every split-K count (not only the sweep's powers of two) per shape at
-    M = 1 / 16 / 64, with the dispatch table's split-K tile (at M = 1 the dispatch runs the K-sliced kernel); prints the dispatch table's choice against the fastest."""
+    """python bench.py kernels --parts splits: every split-K count (not only the sweep's powers of two) per
+    shape at M = 1 / 16 / 64, with the dispatch table's split-K tile (at M = 1 the dispatch runs the K-sliced
+    kernel); prints the dispatch table's choice against the fastest."""
     import kernels
 
     rows = []

@@ -353,16 +353,17 @@ def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> di
     Up to 8 tokens (sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 K slices (4 warps, 4
     stages), 16 weight rows (32 where row tiles are many: gate_up); the most even config over the 7B and 32B shapes
     (`--sweep ks [--size 32b]`: within 12% of each case's best), 1.03-1.5x faster than the split-K configs below. At
-    16 tokens, re-reading the token tile for every 16 rows makes it slower on three shapes of four. Otherwise BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound:
-    64-row tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are
-    enough programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at
-    17..64 tokens a long K (down_proj) is split up to one full wave of 3 programs per SM while each split keeps
-    >= 16 K tiles (down at M = 64: 7 splits, 1.11x faster than 4). Above 64 tokens the GEMM is compute-bound and
-    wave quantization decides: a long K with few 128 x 128 tiles splits K to fill one wave of them; 128 x 128 tiles
-    (8 warps, one program per SM) when they fill their last wave >= 75%; else 128 x 64 tiles if they fit one wave
+    16 tokens, re-reading the token tile for every 16 rows makes it slower on three shapes of four. Otherwise BM
+    covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound: 64-row
+    tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are enough
+    programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at 17..64
+    tokens a long K (down_proj) is split up to one full wave of 3 programs per SM while each split keeps >= 16 K
+    tiles (down at M = 64: 7 splits, 1.11x faster than 4). Above 64 tokens the GEMM is compute-bound and wave
+    quantization decides: a long K with few 128 x 128 tiles splits K to fill one wave of them; 128 x 128 tiles (8
+    warps, one program per SM) when they fill their last wave >= 75%; else 128 x 64 tiles if they fit one wave
     (split in 2 when that still does); else 64 x 64 tiles (3 programs per SM). PEEL (the first K tile outside the
-    loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split: 1.13x on gate_up
-    at M = 64, 1.1-1.15x on the 128 x 128 tile at 256-512 tokens; at M <= 16 its prologue costs 2-3%.
+    loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split: 1.13x on gate_up at
+    M = 64, 1.1-1.15x on the 128 x 128 tile at 256-512 tokens; at M <= 16 its prologue costs 2-3%.
     """
     KT, cdiv = -(-K // 128), lambda a, b: -(-a // b)
     if sliced and M <= 8:
