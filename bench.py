@@ -9,13 +9,11 @@
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
 
-At M <= 64 the GEMM table also times cuBLAS bf16 on a weight with as many bytes as the NVFP4 one (9/32 of the rows):
-the speedup a W4 kernel reading its bytes as well as cuBLAS does would reach ("same-bytes bound"); and a kernel that
-only streams the NVFP4 words and scales from HBM ("read floor": the speedup no kernel on these bytes can pass).
-
+At M <= 64 the GEMM table also times cuBLAS bf16 on a weight of as many bytes as the NVFP4 one (9/32 of the rows:
+"same-bytes bound") and a kernel that only streams the NVFP4 words and scales ("read floor", an estimate).
 Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two sides of a ratio
-replayed in turn (paired_us); weights are rotated over enough copies that every call reads them from HBM, not L2
-(50 MB). Speedups are ours / torch bf16 measured in the same run. Needs a CUDA GPU.
+replayed in turn (paired_us); weights rotate over enough copies that every call reads them from HBM, not L2 (50 MB).
+Speedups are ours / torch bf16 measured in the same run. Needs a CUDA GPU.
 """
 import argparse
 import gc
@@ -93,9 +91,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
     import bench_sweep
     import kernels
 
-    bw = copy_bandwidth()
+    out["copy_GBps"] = bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
-    out["copy_GBps"] = bw
     rows, best_cfgs = [], {}
     if sweep:
         bench_sweep.precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep, shapes)

@@ -107,7 +107,8 @@ def _read_kernel(w_ptr, s_ptr, out_ptr, NW, NS, PER_W, PER_S, BLOCK: tl.constexp
 
 def read_floor_us(wq) -> float:
     """Microseconds to read one NVFP4 weight's words and scales from HBM (rotating over the copies wq), the fastest
-    of a few grid sizes and pipeline depths: what no GEMM on these bytes can beat (bench.py kernels' "read floor")."""
+    of a few grid sizes and pipeline depths (bench.py kernels' "read floor": an estimate; the K-sliced GEMM has read
+    gate_up faster than this kernel did, KERNELS.md)."""
     NW, NS = wq[0].words.numel(), wq[0].scales.numel()
     best = float("inf")
     for P, BLOCK, stages in ((1056, 1024, 3), (1056, 1024, 4), (2112, 2048, 3), (2112, 2048, 4)):

@@ -22,10 +22,8 @@ subnormal; the fp8 scale byte shifted left by 4 is s * 2^-120 as bf16, times 2^1
 q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies by 2^119 / global_scale once. Split-K programs
 park partial sums in a workspace and the last one to finish (a counter per output tile) writes the result, so a
 call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
-1-8 tokens run the K-sliced kernel instead: a program owns 16 or 32 weight rows over all of K, its 4 warps take
-every 4th K tile each (the batch index of a 3-D dot, which Triton runs on mma.sync, one warp per slice) and the 4
-partial tiles are summed once at the end, so there is no workspace and no fixup (1.03-1.5x faster than split-K
-there; at 16 tokens it re-reads the token tile for every 16 rows and loses).
+1-8 tokens run the K-sliced kernel instead (16-32 weight rows over all of K, 4 warps each taking every 4th K tile as
+the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fixup; see mm_config).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
 On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
 says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
@@ -351,9 +349,8 @@ def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> di
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
 
     Up to 8 tokens (sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 K slices (4 warps, 4
-    stages), 16 weight rows (32 where row tiles are many: gate_up); the most even config over the 7B and 32B shapes
-    (`--sweep ks [--size 32b]`: within 12% of each case's best), 1.03-1.5x faster than the split-K configs below. At
-    16 tokens, re-reading the token tile for every 16 rows makes it slower on three shapes of four. Otherwise BM
+    stages), 16 weight rows (32 for many row tiles: gate_up); within 12% of the best over the 7B and 32B shapes
+    (`--sweep ks [--size 32b]`), 1.03-1.5x faster than split-K (at 16 tokens its token re-reads lose). Otherwise BM
     covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound: 64-row
     tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are enough
     programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at 17..64
@@ -416,19 +413,17 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
+    BM, BN = cfg.pop("BM"), cfg.pop("BN")
     RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
-    if "KS" in cfg:  # K sliced inside the program (no split-K workspace)
-        BM, BN = cfg.pop("BM"), cfg.pop("BN")
-        y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if "KS" in cfg:  # K sliced inside the program: no split-K workspace
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
             x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N,
             w.words.shape[1], K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP,
             USE_ASM=asm, **cfg)
         return y
-    BM, BN, split = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("SPLIT_K")
-    split, per_split = split_k(KT, split)
+    split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
     grid = (-(-N // BN), -(-M // BM), split)
-    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
