@@ -366,16 +366,17 @@ def race_sample_ref(logits, e, temperature: float):
 
 if triton is not None:
     @triton.jit
-    def _race_kernel(z_ptr, e_ptr, tok_ptr, lp_ptr, V, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
-        # one row per program: per lane a running race winner and an online logsumexp, reduced across lanes at the end
-        row = tl.program_id(0).to(tl.int64)
+    def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
+        # program (row, chunk): per lane a running race winner and an online logsumexp over the chunk's CH logits,
+        # reduced across lanes to 4 partials (max z, sum exp(z - max), best race score, its index)
+        row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         NEG: tl.constexpr = float("-inf")
         m = tl.full((BLOCK,), NEG, tl.float32)                                 # running max of z per lane
         l = tl.zeros((BLOCK,), tl.float32)                                     # sum of exp(z - m) per lane
         best = tl.full((BLOCK,), NEG, tl.float32)                              # best race score per lane
         arg = tl.zeros((BLOCK,), tl.int32)                                     # its index (first on ties)
-        for v0 in range(0, V, BLOCK):
+        for v0 in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
             i = v0 + offs
             z = tl.load(z_ptr + row * stride_z + i, mask=i < V, other=NEG) * inv_t
             e = tl.load(e_ptr + row * stride_e + i, mask=i < V, other=1.0)
@@ -386,24 +387,50 @@ if triton is not None:
             l = tl.where(m_new == NEG, 0.0, l * tl.exp(m - m_new) + tl.exp(z - m_new))
             m = m_new
         mx = tl.max(m, 0)
-        lse = mx + tl.log(tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
         top = tl.max(best, 0)
-        tok = tl.min(tl.where(best == top, arg, V), 0)                        # the first index among the lanes' ties
-        z_tok = tl.load(z_ptr + row * stride_z + tok) * inv_t
+        p = part_ptr + (row * tl.num_programs(1) + c) * 4
+        tl.store(p, mx)
+        tl.store(p + 1, tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
+        tl.store(p + 2, top)
+        tl.store(p + 3, tl.min(tl.where(best == top, arg, V), 0).to(tl.float32))   # exact: V < 2^24
+
+    @triton.jit
+    def _race_merge_kernel(z_ptr, part_ptr, tok_ptr, lp_ptr, C, stride_z, inv_t, BC: tl.constexpr):
+        # one row per program: the chunks' partials -> the winner (first index among ties) and its log-probability
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BC)
+        NEG: tl.constexpr = float("-inf")
+        p = part_ptr + (row * C + c) * 4
+        m = tl.load(p, mask=c < C, other=NEG)
+        l = tl.load(p + 1, mask=c < C, other=0.0)
+        best = tl.load(p + 2, mask=c < C, other=NEG)
+        arg = tl.load(p + 3, mask=c < C, other=float(2 ** 24)).to(tl.int32)
+        mx = tl.max(m, 0)
+        lse = mx + tl.log(tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
+        tok = tl.min(tl.where(best == tl.max(best, 0), arg, 2 ** 24), 0)
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, z_tok - lse)
+        tl.store(lp_ptr + row, tl.load(z_ptr + row * stride_z + tok) * inv_t - lse)
 
 
-def race_sample(logits, e, temperature: float):
+def race_sample(logits, e, temperature: float, chunks: int | None = None):
     """Draw one token per row from softmax(logits / T) given Exp(1) noise e (see race_sample_ref); Triton on CUDA:
-    one read of logits and noise instead of a log-softmax, an exp, a division, an argmax and a gather."""
+    one read of logits and noise instead of a log-softmax, an exp, a division, an argmax and a gather. Each row is
+    cut into `chunks` pieces (default: enough for about 256 programs) whose partial results a second launch merges:
+    a single program per row of 152k logits took 55 us at batch 1 (`python bench.py profile --batches 1`)."""
     if logits.shape != e.shape or logits.dim() != 2:
         raise ValueError(f"logits and noise must be (B, V) of one shape, got {tuple(logits.shape)}, {tuple(e.shape)}")
-    if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32 and logits.stride(-1) == e.stride(-1) == 1):
+    if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32 and logits.stride(-1) == e.stride(-1) == 1
+            and logits.shape[1] < 2 ** 24):                                   # the partials hold indices as fp32
         return race_sample_ref(logits, e, temperature)
-    B, V = logits.shape
+    (B, V), BLOCK = logits.shape, 2048
+    C = chunks or max(1, min(256 // B, triton.cdiv(V, BLOCK)))
+    CH = triton.cdiv(triton.cdiv(V, C), BLOCK) * BLOCK                       # logits per chunk, whole blocks
+    C = triton.cdiv(V, CH)
+    part = torch.empty(B, C, 4, dtype=torch.float32, device=logits.device)
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _race_kernel[(B,)](logits, e, tok, lp, V, logits.stride(0), e.stride(0), 1.0 / temperature, BLOCK=2048,
-                       num_warps=8)
+    _race_part_kernel[(B, C)](logits, e, part, V, CH, logits.stride(0), e.stride(0), 1.0 / temperature, BLOCK=BLOCK,
+                              num_warps=8)
+    _race_merge_kernel[(B,)](logits, part, tok, lp, C, logits.stride(0), 1.0 / temperature,
+                             BC=max(16, triton.next_power_of_2(C)), num_warps=1)
     return tok, lp

@@ -225,7 +225,7 @@ class Engine:
             if t < max_new - 1:  # decode step t+1 now, so the GPU runs it while the host reads step t's tokens;
                 valid[:b, P + t] = True  # a row that just stopped costs one wasted step (its output is dropped)
                 logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
-                                      torch.tensor([P + t], device=dev), P + t + 1)
+                                      torch.full((1,), P + t, device=dev), P + t + 1)
             if done is not None:
                 done.synchronize()
             for j, (tk, l) in enumerate(zip(tok_h.tolist(), lp_h.tolist())):
