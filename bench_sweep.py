@@ -42,18 +42,24 @@ def sweep_configs(M, N, K, family: str = "all"):
 
 
 def ks_configs(M, N, K):
-    """Configs of the K-sliced kernel (KS slices of K per program, one warp each, summed at the end: no split-K
-    workspace): token tile BM = M rounded up to a power of two (up to 16: at 64 tokens it ran 1.3-2.1x slower than
-    the dispatch), 16 or 32 weight rows, 2-8 slices, 2-8 stages, where the ring's buffers fit in 200 KB of shared
-    memory; and first, for comparison, the split-K config the dispatch would take without the K-sliced kernel."""
+    """Configs of the K-sliced kernel (KS slices of K per program, summed at the end: no split-K workspace): token
+    tile BM = M rounded up to a power of two (up to 64), 16-128 weight rows, 2-8 slices on as many warps (or 8 warps
+    for 4 slices: 2 warps along the rows), 2-8 stages, where the ring's buffers fit in 200 KB of shared memory and
+    the dequantized tile and accumulators in about 160 registers a thread; and first, for comparison, the split-K
+    config the dispatch would take without the K-sliced kernel."""
     import kernels
 
     BM = 1 << (M - 1).bit_length()
-    if BM > 16:
+    if BM > 64:
         return []
-    return [kernels.mm_config(M, N, K, sliced=False)] + [
-        dict(BM=BM, BN=BN, KS=KS, num_warps=KS, num_stages=st) for BN in (16, 32) for KS in (2, 4, 8)
-        for st in (2, 3, 4, 5, 6, 8) if (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024]
+    out = [kernels.mm_config(M, N, K, sliced=False)]
+    for BN in (16, 32, 64, 128):
+        for KS, nw in ((2, 2), (4, 4), (4, 8), (8, 8)):
+            regs = KS * BN * (64 + BM) / (32 * nw)                     # bf16 tile (2 a register) + fp32 accumulators
+            for st in (2, 3, 4, 5, 6, 8):
+                if regs <= 160 and (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024 and (BN <= 32 or st in (3, 4, 6)):
+                    out.append(dict(BM=BM, BN=BN, KS=KS, num_warps=nw, num_stages=st))
+    return out
 
 
 def _compile_worker(rank: int, jobs: int, Ms, family: str, shapes: dict):
