@@ -250,7 +250,8 @@ def splits(out: dict):
 def ws_alternatives(M, N, K, sms=132):
     """The warp-specialized configs `--parts ws` times at M tokens: 64-token tiles (128 registers, two programs an SM)
     up to 256 tokens, 128-token tiles (255 registers) above 64, 256-token tiles above 192, each unsplit and split K
-    ways for every K dividing the K tiles (up to 8) that keeps <= 4 programs per SM."""
+    ways for every K dividing the K tiles (up to 8) that keeps <= 4 programs per SM; split 64-token tiles also with a
+    3-stage ring (61.5 KB of shared memory: three programs an SM instead of two)."""
     KT = -(-K // 128)
     out = []
     for BM in ((64,) if M <= 64 else (64, 128) if M <= 192 else (64, 128, 256) if M <= 256 else (128, 256)):
@@ -258,6 +259,8 @@ def ws_alternatives(M, N, K, sms=132):
         for split in range(1, 9):
             if KT % split == 0 and (split == 1 or tiles * split <= 4 * sms):
                 out.append(dict(BM=BM, maxnreg=128 if BM == 64 else None, SPLIT=split))
+                if BM == 64 and split > 1:
+                    out.append(dict(BM=BM, maxnreg=128, SPLIT=split, S=3))
     return out
 
 
@@ -269,7 +272,7 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
     import kernels_ws
 
     rows = []
-    name_of = lambda c: f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}"                   # noqa: E731
+    name_of = lambda c: f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}" + (f"/s{c['S']}" if "S" in c else "")  # noqa: E731
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
