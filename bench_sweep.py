@@ -272,7 +272,8 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
     import kernels_ws
 
     rows = []
-    name_of = lambda c: f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}" + (f"/s{c['S']}" if "S" in c else "")  # noqa: E731
+    name_of = lambda c: (f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}"                  # noqa: E731
+                         + (f"/s{c['S']}" if "S" in c else ""))
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))

@@ -65,7 +65,7 @@ def check_request(prompts, n, max_new_tokens, stop_token_ids, vocab_size: int, m
 def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: torch.Generator, race: bool | None = None):
     """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled from.
 
-    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one fused pass over B x V,
+    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one read of B x V in chunks,
     ops.race_sample; the default on CUDA) and the inverse CDF (one uniform per row and a cumsum over V: cheaper on a
     CPU, the default there). `race` picks one explicitly (the tests check both)."""
     if temperature <= 0:
@@ -83,7 +83,7 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         drop = cum - torch.softmax(sz, -1) >= top_p                            # keep the smallest set reaching top_p
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
     race = logits.is_cuda if race is None else race
-    if race:  # one fused pass over z and the noise (ops.race_sample)
+    if race:  # one read of z and the noise (ops.race_sample)
         return ops.race_sample(z, torch.empty_like(z).exponential_(generator=gen), t)
     logp = torch.log_softmax(z / t, -1)                                        # (B, V)
     cdf = logp.exp().cumsum(-1)                                                # (B, V)

@@ -453,7 +453,8 @@ def test_errors():
 # Sampling
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("V,temperature,chunks", [(5000, 0.7, None), (5000, 0.7, 1), (151936, 1.0, None), (7, 1.3, None)])
+@pytest.mark.parametrize("V,temperature,chunks",
+                         [(5000, 0.7, None), (5000, 0.7, 1), (151936, 1.0, None), (7, 1.3, None)])
 def test_race_sample_matches_reference(device, V, temperature, chunks):
     """ops.race_sample (race argmax + online logsumexp per chunk of a row, then a merge; default 3 and 38 chunks for
     V = 5000 and 151936) against race_sample_ref on the same noise: the same tokens (the first index on a tie across
