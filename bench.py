@@ -446,7 +446,7 @@ def main(argv=None):
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
                          "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' "
-                         "time goes; see bench_sweep)")
+                         "time goes, sampler: ops.race_sample chunked vs one program a row; see bench_sweep)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
@@ -480,16 +480,12 @@ def main(argv=None):
         bench_dgrad(out)
     if "rmsnorm" in parts:
         bench_rmsnorm(out)
-    if {"ablate", "splits", "ws", "stamps"} & set(parts):
-        import bench_sweep
-        if "stamps" in parts:
-            bench_sweep.stamps(out)
-        if "ws" in parts:
-            bench_sweep.ws(out, [int(m) for m in args.ws_m.split(",")])
-        if "ablate" in parts:
-            bench_sweep.ablate(out)
-        if "splits" in parts:
-            bench_sweep.splits(out)
+    import bench_sweep
+    ws_m = [int(m) for m in args.ws_m.split(",")]
+    for part, run in (("stamps", bench_sweep.stamps), ("ws", lambda o: bench_sweep.ws(o, ws_m)),
+                      ("ablate", bench_sweep.ablate), ("splits", bench_sweep.splits), ("sampler", bench_sweep.sampler)):
+        if part in parts:
+            run(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

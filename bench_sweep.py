@@ -340,3 +340,23 @@ def stamps(out: dict):
               f"store / split-K fixup {row['epilogue_us']:.2f} "
               f"(max {row['epilogue_max_us']:.2f}) us", flush=True)
     out["stamps"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rollout's sampler
+
+
+def sampler(out: dict):
+    """python bench.py kernels --parts sampler: ops.race_sample over Qwen's 152064 logits at the rollout's batch
+    sizes, its default chunks of a row against one chunk a row (one program a row: the sampler before the chunks),
+    in one run; logits and noise stay in L2 between calls, as the logits do after the lm_head that writes them."""
+    import ops
+
+    rows = []
+    for B in (1, 16, 64, 256):
+        z = torch.randn(B, 152064, device="cuda")
+        e = torch.empty_like(z).exponential_()
+        t = bench.paired_us([lambda: ops.race_sample(z, e, 1.0)], [lambda: ops.race_sample(z, e, 1.0, chunks=1)])
+        rows.append(dict(batch=B, chunked_us=t[0], one_chunk_us=t[1]))
+        print(f"sampler batch {B:3d}: chunked {t[0]:6.1f} us, one program a row {t[1]:6.1f} us ({t[1] / t[0]:.1f}x)")
+    out["sampler"] = rows
