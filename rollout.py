@@ -224,8 +224,8 @@ class Engine:
                 done.record()
             if t < max_new - 1:  # decode step t+1 now, so the GPU runs it while the host reads step t's tokens;
                 valid[:b, P + t] = True  # a row that just stopped costs one wasted step (its output is dropped)
-                logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b],
-                                      torch.full((1,), P + t, device=dev), P + t + 1)
+                slot = torch.full((1,), P + t, device=dev)  # a fill kernel: torch.tensor([...]) would block
+                logits = self._decode(b, tok[:b, None], (lengths[:b] + t)[:, None], valid[:b], slot, P + t + 1)
             if done is not None:
                 done.synchronize()
             for j, (tk, l) in enumerate(zip(tok_h.tolist(), lp_h.tolist())):
