@@ -366,6 +366,13 @@ def race_sample_ref(logits, e, temperature: float):
 
 if triton is not None:
     @triton.jit
+    def _race_reduce(m, l, best, arg, NONE):
+        # over lanes (or chunks): the max z, the sum of exp(z - max), the best race score and its first index
+        mx, top = tl.max(m, 0), tl.max(best, 0)
+        lsum = tl.sum(tl.where(m == float("-inf"), 0.0, l * tl.exp(m - mx)), 0)
+        return mx, lsum, top, tl.min(tl.where(best == top, arg, NONE), 0)
+
+    @triton.jit
     def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
         # program (row, chunk): per lane a running race winner and an online logsumexp over the chunk's CH logits,
         # reduced across lanes to 4 partials (max z, sum exp(z - max), best race score, its index)
@@ -386,13 +393,12 @@ if triton is not None:
             m_new = tl.maximum(m, z)
             l = tl.where(m_new == NEG, 0.0, l * tl.exp(m - m_new) + tl.exp(z - m_new))
             m = m_new
-        mx = tl.max(m, 0)
-        top = tl.max(best, 0)
+        mx, lsum, top, tok = _race_reduce(m, l, best, arg, V)
         p = part_ptr + (row * tl.num_programs(1) + c) * 4
         tl.store(p, mx)
-        tl.store(p + 1, tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
+        tl.store(p + 1, lsum)
         tl.store(p + 2, top)
-        tl.store(p + 3, tl.min(tl.where(best == top, arg, V), 0).to(tl.float32))   # exact: V < 2^24
+        tl.store(p + 3, tok.to(tl.float32))                                    # exact: V < 2^24
 
     @triton.jit
     def _race_merge_kernel(z_ptr, part_ptr, tok_ptr, lp_ptr, C, stride_z, inv_t, BC: tl.constexpr):
@@ -405,11 +411,9 @@ if triton is not None:
         l = tl.load(p + 1, mask=c < C, other=0.0)
         best = tl.load(p + 2, mask=c < C, other=NEG)
         arg = tl.load(p + 3, mask=c < C, other=float(2 ** 24)).to(tl.int32)
-        mx = tl.max(m, 0)
-        lse = mx + tl.log(tl.sum(tl.where(m == NEG, 0.0, l * tl.exp(m - mx)), 0))
-        tok = tl.min(tl.where(best == tl.max(best, 0), arg, 2 ** 24), 0)
+        mx, lsum, _, tok = _race_reduce(m, l, best, arg, 2 ** 24)
         tl.store(tok_ptr + row, tok.to(tl.int64))
-        tl.store(lp_ptr + row, tl.load(z_ptr + row * stride_z + tok) * inv_t - lse)
+        tl.store(lp_ptr + row, tl.load(z_ptr + row * stride_z + tok) * inv_t - (mx + tl.log(lsum)))
 
 
 def race_sample(logits, e, temperature: float, chunks: int | None = None):
