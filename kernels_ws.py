@@ -24,8 +24,8 @@ against two waves of 128-token ones, 27.3 us). Its 3 x 68.5 KB ring leaves no ro
 the accumulator to the store layout takes, so the tile goes through token stage 0 after the loop, transposed and
 swizzled (1.4 us; 3.8 us with the plain row-major layout's 8-way bank conflicts).
 A wgmma reads its register operand while in flight, and ptxas protects those registers only up to a loop back-edge
-(see _consumer), so the loop body is U = 4 (or 2, 1: a divisor of the K tiles) tiles long and drains its wgmmas at
-the end; tests/test_ws_sass.py checks the SASS.
+(see _consumer), so the loop body is one lap of the ring (S K tiles, each stage's mbarriers indexed at compile time)
+and drains its wgmmas at the end; tests/test_ws_sass.py checks the SASS.
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
@@ -76,7 +76,6 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens; 3 x 68.5 KB at 256 tokens)
 T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
-UNROLL = 4       # K tiles per consumer loop iteration, at most (ws_mm takes the largest of 4, 2, 1 dividing them)
 
 
 @functools.cache
@@ -103,9 +102,10 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
-      * up to 64 tokens (64-token tiles): only for few weight tiles (<= 132) and a short K (< 64 tiles), split in 2
-        where that still fits (o: 1.09x of bf16, the Triton GEMM 1.05x; qkv unsplit 1.15x vs 1.04x); many tiles
-        (gate_up) and long K (down) tie with or lose to the Triton GEMM's own split-K;
+      * up to 64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an
+        SM (o: 1.13x of bf16, the Triton GEMM 1.01x), else unsplit (qkv 1.27x vs 1.05x; gate_up, 592 programs,
+        2.43x vs 2.30x); a long K (down) split in up to 4 while that makes at most two programs an SM (2.09x vs
+        1.87x). At 48 tokens the Triton GEMM still wins on gate_up and down (its 32-token tiles waste less);
       * 65..256 tokens: 128-token tiles while they fit one wave; with room for twice as many programs, a long K
         (down) splits in 2 (1.47x vs 1.32x at 128 tokens) and a short one (o) takes 64-token tiles (0.95x vs 0.81x).
         Past one wave, 64-token tiles where they leave less padding (129..192 tokens: gate_up 0.97x vs 0.89x at 192)
@@ -118,8 +118,9 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     c64, c128, c256 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)
     wide = M > 192 and -(-p256 // sms) * T256 < -(-p128 // sms)          # 256-token waves beat 128-token ones
     if M <= 64:
-        if p64 > sms or KT >= 64:
-            return None
+        if KT >= 64:
+            split = next((s for s in (4, 3, 2) if KT % s == 0 and s * p64 <= 2 * sms), None)
+            return dict(c64, SPLIT=split) if split else None
         return dict(c64, SPLIT=2) if 2 * p64 <= sms and KT % 2 == 0 else c64
     if M > 256:
         return c256 if wide else c128
@@ -165,18 +166,53 @@ if gluon is not None:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _fetch(w_bufs, s_bufs, ready, i, S: gl.constexpr):
-        # wait for tile i's stage; its words (64, 16) and the 8 block-scale multipliers (64,) of each row
-        s = i % S
-        mbarrier.wait(ready.index(s), (i // S) & 1)
-        words = w_bufs.index(s).load(_WL)                                                    # (64, 16) int32
-        sw = s_bufs.index(s)._reinterpret(gl.int32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(_SL)
+    def _fetch(w_buf, s_buf, ready, phase):
+        # wait for a stage's tile; its words (64, 16) and the 8 block-scale multipliers (64,) of each row
+        mbarrier.wait(ready, phase)
+        words = w_buf.load(_WL)                                                              # (64, 16) int32
+        sw = s_buf._reinterpret(gl.int32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(_SL)
         sw0, sw1 = gl.split(sw)                                                              # (64,) each
         sw0 = gl.convert_layout(sw0, gl.SliceLayout(1, _WL), assert_trivial=True)
         sw1 = gl.convert_layout(sw1, gl.SliceLayout(1, _WL), assert_trivial=True)
         mult = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(gl.int32,) * 8,
                                          is_pure=True, pack=1)
         return words, mult
+
+    @gluon.jit
+    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr):
+        # K tile i from ring stage u: 8 async wgmmas, each issued as soon as its block (16 K columns) is dequantized
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase)
+        xt = x_bufs.index(u).permute((1, 0))                                                 # (128, BM) tokens^T
+        for r in gl.static_range(8):                                                         # k = 16 r + c
+            q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)      # (64, 16) bf16
+            if r == 0:  # the first wgmma of the program zeroes the accumulator
+                acc = warpgroup_mma(q, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
+            else:
+                acc = warpgroup_mma(q, xt.slice(16 * r, 16), acc, is_async=True)
+            acc = warpgroup_mma_wait(7, deps=[acc])
+        return acc
+
+    @gluon.jit
+    def _bar():
+        b = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(b, count=1)
+        return b
+
+    @gluon.jit
+    def _ring(S: gl.constexpr):
+        # S mbarriers, each its own allocation (see _consumer)
+        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
+        if S == 2:
+            bars = (_bar(), _bar())
+        elif S == 3:
+            bars = (_bar(), _bar(), _bar())
+        elif S == 4:
+            bars = (_bar(), _bar(), _bar(), _bar())
+        else:
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
+        return bars
 
     @gluon.jit
     def _stamp(st_ptr, j: gl.constexpr):
@@ -188,40 +224,38 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0, m0,
-                  NT, stride_ym, BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, STAMP: gl.constexpr):
-        # U K tiles per loop iteration, 8 async wgmmas each, each issued as soon as its block (16 K columns) is
-        # dequantized, with up to 7 in flight. A wgmma reads its A operand (the weights) from registers while in
-        # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
-        # loop back-edge: with wgmmas in flight from one iteration to the next, the next tile's dequantization
-        # overwrote their operands (wrong results in 23 of 240 runs; with 3 stages or 168 registers, every run). So
-        # every iteration ends with all its wgmmas complete, and U tiles per iteration pay for that drain. A stage goes
-        # back to the loader by an mbarrier arrive (release semantics) once its reads are done (the words and scales
-        # loaded to registers, its wgmmas retired by a wait); the loader's wait (acquire) orders its next TMA writes
-        # after them, with no proxy fence (one per release cost 1-4%: 2% geomean over 19 dispatched shapes).
+                  NT, stride_ym, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  STAMP: gl.constexpr):
+        # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
+        # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
+        # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
+        # wgmmas in flight from one iteration to the next, the next tile's dequantization overwrote their operands
+        # (wrong results in 23 of 240 runs; with 3 stages or 168 registers, every run). So every lap ends with all
+        # its wgmmas complete; the NT % S tiles after the last lap are straight-line code, drained once at the end.
+        # A stage goes back to the loader by an mbarrier arrive (release semantics) once its reads are done (the
+        # words and scales loaded to registers, its wgmmas retired by a wait); the loader's wait (acquire) orders its
+        # next TMA writes after them, with no proxy fence (one per release cost 1-4%: 2% geomean over 19 dispatched
+        # shapes). Each stage's mbarriers are allocations of their own, indexed at compile time: Triton puts a
+        # warp-group barrier between two waits on one allocation, which the ring indexed at run time (i % S) paid
+        # before every K tile (3-8% slower in all 16 cases timed; KERNELS.md).
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         acc = gl.zeros((64, BM), gl.float32, MMA)
         if STAMP:  # start, first tile landed, loop done, stored
             _stamp(st_ptr, 0)
-            mbarrier.wait(ready.index(0), 0)
+            mbarrier.wait(ready[0], 0)
             _stamp(st_ptr, 1)
-        for i0 in range(0, NT, U):                                  # U divides NT (ws_mm)
-            for u in gl.static_range(U):
-                i = i0 + u
-                words, mult = _fetch(w_bufs, s_bufs, ready, i, S)
-                xt = x_bufs.index(i % S).permute((1, 0))                                     # (128, BM) tokens^T
-                for r in gl.static_range(8):                                                 # k = 16 r + c
-                    q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)  # (64, 16) bf16
-                    if r == 0:  # the first wgmma of the program zeroes the accumulator
-                        acc = warpgroup_mma(q, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
-                    else:
-                        acc = warpgroup_mma(q, xt.slice(16 * r, 16), acc, is_async=True)
-                    acc = warpgroup_mma_wait(7, deps=[acc])
-                if u > 0:                              # tile i-1's wgmmas are done (<= 7 in flight): free its stage
-                    mbarrier.arrive(empty.index((i + S - 1) % S))
+        laps = NT // S
+        for lap in range(laps):
+            for u in gl.static_range(S):
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM)
+                if u > 0:                              # tile u-1's wgmmas are done (<= 7 in flight): free its stage
+                    mbarrier.arrive(empty[u - 1])
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index((i0 + U - 1) % S))
+            mbarrier.arrive(empty[S - 1])
+        for u in gl.static_range(S - 1):       # the last NT % S tiles, in stages 0, 1, ..: nothing left to load
+            if u < NT - laps * S:
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM)
+        acc = warpgroup_mma_wait(0, deps=[acc])
         if STAMP:
             _stamp(st_ptr, 2)
         OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
@@ -265,19 +299,30 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
-        # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S
+        # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
+        laps = NT // S
+        for lap in range(laps):
+            for u in gl.static_range(S):
+                _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
+                      (lap & 1) ^ 1)
+        for u in gl.static_range(S - 1):
+            if u < NT - laps * S:
+                _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
+                      (laps & 1) ^ 1)
+
+    @gluon.jit
+    def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase):
+        # K tile t into stage u once the consumer has freed it (phase: passes at once on the first lap)
         nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
-        for j in range(NT):
-            s, t = j % S, t0 + j
-            mbarrier.wait(empty.index(s), ((j // S) & 1) ^ 1)       # passes at once on the first round of the ring
-            mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready.index(s), w_bufs.index(s))
-            tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready.index(s), s_bufs.index(s))
-            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready.index(s), x_bufs.index(s))  # K OOB: zeros
+        mbarrier.wait(empty[u], phase)
+        mbarrier.expect(ready[u], nbytes)
+        tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready[u], w_bufs.index(u))
+        tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready[u], s_bufs.index(u))
+        tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))        # K OOB: zeros
 
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, MX, N, NP, NT, stride_ym,
-                   BM: gl.constexpr, S: gl.constexpr, U: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
@@ -287,14 +332,10 @@ if gluon is not None:
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
-        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(S):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+        ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0,
-                         m0, NT, stride_ym, BM, S, U, SPLIT, HAS_BIAS, STAMP)),
+                         m0, NT, stride_ym, BM, S, SPLIT, HAS_BIAS, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
                        gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
@@ -328,11 +369,10 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
     grid = (-(-w.n // BN), -(-M // BM), split)
     ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
-    U = next(u for u in (4, 2, 1) if u <= UNROLL and NT % u == 0)                        # K tiles per iteration
     if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
-                     S=cfg.get("S", 3 if BM == 256 else STAGES), U=U, SPLIT=split, HAS_BIAS=bias is not None,
+                     S=cfg.get("S", 3 if BM == 256 else STAGES), SPLIT=split, HAS_BIAS=bias is not None,
                      STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

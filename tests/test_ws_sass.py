@@ -64,14 +64,16 @@ def written(text: str) -> set[int]:
 
 
 def overwrites(ins: list[tuple[int, str]]) -> list[str]:
-    """Replay the loop that holds the HGMMAs (entry from the first HGMMA's neighbourhood, body three times) and list
-    every write to the A registers of an HGMMA still in flight."""
+    """Replay the loop that holds the HGMMAs (entry from the first HGMMA's neighbourhood, body three times, then the
+    rest of the code in address order: every branch after the loop taken as if it falls through) and list every
+    write to the A registers of an HGMMA still in flight."""
     hgmma = [a for a, t in ins if "HGMMA" in t]
     at = {a: k for k, (a, _) in enumerate(ins)}
     loop = next((int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))
                 and int(m.group(1), 16) < a and any(int(m.group(1), 16) <= h <= a for h in hgmma))
     start = min(loop[0], hgmma[0])
-    order = list(range(at[start], at[loop[1]] + 1)) + list(range(at[loop[0]], at[loop[1]] + 1)) * 3
+    order = (list(range(at[start], at[loop[1]] + 1)) + list(range(at[loop[0]], at[loop[1]] + 1)) * 3
+             + list(range(at[loop[1]] + 1, len(ins))))
     flight, bad = [], []
     for k in order:
         a, t = ins[k]
@@ -85,7 +87,7 @@ def overwrites(ins: list[tuple[int, str]]) -> list[str]:
     return bad
 
 
-def compiled(BM: int, S: int, U: int, maxnreg, split: int = 1):
+def compiled(BM: int, S: int, maxnreg, split: int = 1):
     """The kernel's machine code for one configuration, compiled for sm_90a without a GPU."""
     wl = gl.NVMMASharedLayout.get_default_for([W.BN, 16], gl.int32)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -93,10 +95,10 @@ def compiled(BM: int, S: int, U: int, maxnreg, split: int = 1):
     sig = {"w_desc": f"tensordesc<i32[{W.BN}, 16],{wl!r}>", "s_desc": f"tensordesc<i32[{W.BN // 2}, 4],{sl!r}>",
            "x_desc": f"tensordesc<bf16[{BM}, 128],{xl!r}>", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "M": "i32", "MX": "i32", "N": "i32", "NP": "i32",
-           "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "U": "constexpr", "SPLIT": "constexpr",
+           "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "SPLIT": "constexpr",
            "HAS_BIAS": "constexpr"}
     _restore_language()
-    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, U=U, SPLIT=split, HAS_BIAS=True))
+    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, SPLIT=split, HAS_BIAS=True))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
 
@@ -115,16 +117,17 @@ def test_scan_catches_an_overwrite():
 
 
 @pytest.mark.skipif(not shutil.which("cuobjdump", path=BIN), reason="Triton's CUDA binaries are not installed")
-@pytest.mark.parametrize("BM,S,U,maxnreg,split", [(128, 4, 4, None, 1), (64, 4, 4, 128, 1), (64, 4, 2, 128, 2),
-                                                  (128, 3, 1, None, 1), (128, 4, 2, 168, 1), (256, 3, 4, None, 1)])
-def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, U, maxnreg, split):
+@pytest.mark.parametrize("BM,S,maxnreg,split", [(128, 4, None, 1), (64, 4, 128, 1), (64, 4, 128, 2), (128, 3, None, 1),
+                                                (128, 4, 168, 1), (256, 3, None, 1), (128, 5, None, 1)])
+def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, maxnreg, split):
     """No instruction overwrites an in-flight wgmma's registers, in the configurations the dispatch uses and in the
     two (3 stages; 168 registers) that failed every run before, while the wgmmas do stay asynchronous (up to 7 in
-    flight: else the check would hold trivially), with and without split K."""
+    flight: else the check would hold trivially), with and without split K. The kernel holds S tiles of 8 wgmmas in
+    its loop (a lap of the ring) and S - 1 after it (the K tiles past the last whole lap, each drained)."""
     path = tmp_path / "ws.cubin"
-    path.write_bytes(compiled(BM, S, U, maxnreg, split)["cubin"])
+    path.write_bytes(compiled(BM, S, maxnreg, split)["cubin"])
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(path)], check=True, capture_output=True,
                           text=True).stdout
     ins = parse(sass)
-    assert sum("HGMMA" in t for _, t in ins) == 8 * U and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins)
+    assert sum("HGMMA" in t for _, t in ins) == 8 * (2 * S - 1) and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins)
     assert overwrites(ins) == []
