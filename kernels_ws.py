@@ -31,8 +31,10 @@ kernels.py's workspace and the last to finish (a counter per tile) adds them up,
 
 Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a
 CPU path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing
-one token tile (with 12 warps a thread gets at most 168 registers and ptxas serializes the wgmmas: measured 0.69x of
-one group on qkv at 64 tokens), a 128-row weight tile in one warp group (two wgmmas per block, half the token
+one token tile (a 128-row tile on 8 warps: with Triton 3.6's setmaxnreg each group gets 232 registers and keeps 7
+wgmmas in flight, yet the best config per case was slower at 64 and 128 tokens on every shape: qkv at 64 tokens 15.3
+vs 12.1 us, gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172, `python bench_ws128.py 64,128`), a 128-row
+weight tile in one warp group (two wgmmas per block, half the token
 traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
 dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
 two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token
