@@ -29,36 +29,34 @@ and drains its wgmmas at the end; tests/test_ws_sass.py checks the SASS.
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
 
-Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a
-CPU path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing
-one token tile (a 128-row tile on 8 warps: with Triton 3.6's setmaxnreg each group gets 232 registers and keeps 7
-wgmmas in flight, yet the best config per case was slower at 64 and 128 tokens on every shape: qkv at 64 tokens 15.3
-vs 12.1 us, gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172, `python bench_ws128.py 64,128`), a 128-row
-weight tile in one warp group (two wgmmas per block, half the token
-traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's
-dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens),
-two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token
-tiles; with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out every K tile of every
-output tile, the last of a tile's programs adds the parked partials): slower where it was meant to help (qkv at 64
-tokens over 132 programs 16.5 us, one program per weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster
-only at 224-384 tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped. Tried
-again with 128- and 256-token tiles (each program at least half a tile's K, its ring carrying on from one tile to
-the next), it was 1.15-1.65x slower than the best plain schedule in all 10 cases it applies to (qkv at 256 tokens
-29.2 vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs
-past the whole waves take 1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us,
-at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather
-than in waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Two more, timed against the
-dispatch in one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM in all 12
-cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-4 programs an SM); more
-64-token programs an SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than 2 programs
-of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2 stages, 55.6
-with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM. And one compiled only: two consumer
-warp groups of 64 rows each sharing one token ring (so that two such programs, 288 threads each, fit an SM): ptxas
-serializes their wgmmas at every register budget from 96 to 168 (advisory C7512, "insufficient register resources"),
-as with the shared token tile above. Nor the weights as the wgmma's B operand, dequantized into a shared-memory ring
-by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16
-and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared memory twice in bf16
-(KERNELS.md, "Dequantizing in separate warps").
+Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU
+path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing one
+token tile (a 128-row tile on 8 warps: with Triton 3.6's setmaxnreg each group gets 232 registers and keeps 7 wgmmas in
+flight, yet the best config per case was slower at 64 and 128 tokens on every shape: qkv at 64 tokens 15.3 vs 12.1 us,
+gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172, `python bench_ws128.py 64,128`), a 128-row weight tile in one
+warp group (two wgmmas per block, half the token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53
+us: the limit is the warp group's dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no
+faster than 4 at 64-128 tokens), two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3
+vs 21.4 us for the 256-token tiles; with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out
+every K tile of every output tile, the last of a tile's programs adds the parked partials): slower where it was meant to
+help (qkv at 64 tokens over 132 programs 16.5 us, one program per weight tile 14.6 us, with 47 vs 28 MB through L2),
+5-10% faster only at 224-384 tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped.
+Tried again with 128- and 256-token tiles (each program at least half a tile's K, its ring carrying on from one tile to
+the next), it was 1.15-1.65x slower than the best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2
+vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs past the
+whole waves take 1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256
+tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather than in
+waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Two more, timed against the dispatch in
+one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM in all 12 cases but down
+at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-4 programs an SM); more 64-token programs an
+SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than 2 programs of 4 stages in any of
+the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4), so the
+ring's depth matters more than the programs an SM. And one compiled only: two consumer warp groups of 64 rows each
+sharing one token ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes their wgmmas at every
+register budget from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above.
+Nor the weights as the wgmma's B operand, dequantized into a shared-memory ring by 4 warps of their own for a warp group
+that only issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs
+48.8 us), as each weight then crosses shared memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps").
 """
 import functools
 
@@ -346,9 +344,9 @@ if gluon is not None:
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
           stamps: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
-    config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default
-    1), S=ring stages (default STAGES, 3 at BM = 256)), default ws_config's (or BM = 128). stamps: an int64 tensor of
-    4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
+    config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
+    S=ring stages, 2 to 5 (default STAGES, 3 at BM = 256)), default ws_config's (or BM = 128). stamps: an int64 tensor
+    of 4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
     stored (a separate build; the bits of y are the same)."""
     M, K = x2.shape
     KT, NP = w.words.shape[0], w.words.shape[1]
@@ -358,6 +356,9 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"BM (tokens per program) must be 64, 128 or 256, got {BM}")
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
+    S = cfg.get("S", 3 if BM == 256 else STAGES)
+    if not 2 <= S <= 5:
+        raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
@@ -375,6 +376,6 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
-                     S=cfg.get("S", 3 if BM == 256 else STAGES), SPLIT=split, HAS_BIAS=bias is not None,
+                     S=S, SPLIT=split, HAS_BIAS=bias is not None,
                      STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
