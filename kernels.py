@@ -25,7 +25,7 @@ call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's ada
 1-8 tokens run the K-sliced kernel instead (16-32 weight rows over all of K, 4 warps each taking every 4th K tile as
 the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fixup; see mm_config).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
-On Hopper, 49..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
+On Hopper, 33..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
 says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
@@ -55,7 +55,7 @@ except ImportError as e:  # CPU-only installs can still use the references; a wr
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
-WS_MIN_M = 48           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
+WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -409,7 +409,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
         raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, {tuple(lb.shape)}")
     ws = _ws() if config is None and lora is None and M > WS_MIN_M and use_asm is None else None
     if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
-        return ws.ws_mm(x2, w, bias, wcfg)               # Hopper, 49..1023 tokens, enough tiles: warp-specialized
+        return ws.ws_mm(x2, w, bias, wcfg)               # Hopper, 33..1023 tokens, enough tiles: warp-specialized
     xa = xa.contiguous()
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))

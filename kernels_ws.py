@@ -1,5 +1,5 @@
 """kernels_ws.py: the warp-specialized NVFP4 x bf16 GEMM for Hopper, written in Gluon (Triton's dialect with explicit
-layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls it for 49..1023 tokens on an H100
+layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls it for 33..1023 tokens on an H100
 (where ws_config says it wins).
 
     python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
@@ -99,13 +99,16 @@ def usable(x2: torch.Tensor) -> bool:
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python bench.py kernels --parts ws` on an H100 (7B shapes, 32..768 tokens; KERNELS.md). A 128-token program takes a
+    `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
-      * up to 64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an
-        SM (o: 1.13x of bf16, the Triton GEMM 1.01x), else unsplit (qkv 1.27x vs 1.05x; gate_up, 592 programs,
-        2.43x vs 2.30x); a long K (down) split in up to 4 while that makes at most two programs an SM (2.09x vs
-        1.87x). At 48 tokens the Triton GEMM still wins on gate_up and down (its 32-token tiles waste less);
+      * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an
+        SM (o at 64 tokens: 1.13x of bf16, the Triton GEMM 1.01x; at 40: 1.13x vs 1.04x), else unsplit (qkv 1.27x
+        vs 1.05x at 64, 1.21x vs 1.09x at 40; gate_up, 592 programs, 2.43x vs 2.30x at 64); a long K (down) split in
+        up to 4 while that makes at most two programs an SM (2.09x vs 1.87x at 64). Below 64 tokens only where the
+        programs fit the SMs: with more, ws_mm pads the tokens to 64 rows, which costs 3-4 us (down at 56 tokens
+        31.1 vs 29.8 us for the Triton GEMM, gate_up 46.8 vs 47.6). At 24 tokens the Triton GEMM's 32-token tiles
+        win everywhere (qkv 10.6 vs 13.5 us);
       * 65..256 tokens: 128-token tiles while they fit one wave; with room for twice as many programs, a long K
         (down) splits in 2 (1.47x vs 1.32x at 128 tokens) and a short one (o) takes 64-token tiles (0.95x vs 0.81x).
         Past one wave, 64-token tiles where they leave less padding (129..192 tokens: gate_up 0.97x vs 0.89x at 192)
@@ -118,10 +121,13 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     c64, c128, c256 = dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)
     wide = M > 192 and -(-p256 // sms) * T256 < -(-p128 // sms)          # 256-token waves beat 128-token ones
     if M <= 64:
-        if KT >= 64:
+        if KT >= 64:                                   # long K: split to fill the SMs, at most two programs an SM
             split = next((s for s in (4, 3, 2) if KT % s == 0 and s * p64 <= 2 * sms), None)
-            return dict(c64, SPLIT=split) if split else None
-        return dict(c64, SPLIT=2) if 2 * p64 <= sms and KT % 2 == 0 else c64
+        else:
+            split = 2 if 2 * p64 <= sms and KT % 2 == 0 else 1
+        if split is None or (M < 64 and split * p64 > sms):     # the tokens would be padded to 64 rows (ws_mm)
+            return None
+        return dict(c64, SPLIT=split) if split > 1 else c64
     if M > 256:
         return c256 if wide else c128
     if 2 * p128 <= sms:                                           # room for twice the programs
