@@ -185,7 +185,7 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
 
 
 def test_ws_config_is_launchable():
-    """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 49..1023 tokens, is a
+    """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 33..1023 tokens, is a
     config ws_mm runs: a 64-, 128- or 256-token tile with its register budget and a K split dividing the K tiles."""
     import kernels_ws
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 5120), (55296, 5120),
