@@ -396,6 +396,17 @@ def split_k(KT: int, split: int) -> tuple[int, int]:
     return -(-KT // per), per
 
 
+def lora_args(x2: torch.Tensor, w: NVFP4Weight, lora):
+    """(xa, B, R) of lora=(xa (M, R), contiguous B (N, R)), R <= 128, checked; (x2, x2, 0) without one."""
+    if lora is None:
+        return x2, x2, 0
+    (xa, lb), R = lora, lora[0].shape[-1]
+    if xa.shape != (x2.shape[0], R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous():
+        raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, "
+                         f"{tuple(lb.shape)}")
+    return xa.contiguous(), lb, R
+
+
 def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None,
              lora=None):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
@@ -403,14 +414,10 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     config: a dict as mm_config returns (BM, BN, SPLIT_K, ... or, for the K-sliced kernel, BM, BN, KS, ...).
     lora=(xa, B): also add xa @ B^T in the epilogue (xa = x @ A^T (M, R), B (N, R), R <= 128; the rollout's LoRA).
     use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
-    (M, K), (xa, lb) = x2.shape, lora if lora is not None else (x2, x2)
-    R = xa.shape[1] if lora is not None else 0
-    if lora is not None and (xa.shape != (M, R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous()):
-        raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, {tuple(lb.shape)}")
-    ws = _ws() if config is None and lora is None and M > WS_MIN_M and use_asm is None else None
+    (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
+    ws = _ws() if config is None and M > WS_MIN_M and use_asm is None else None
     if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
-        return ws.ws_mm(x2, w, bias, wcfg)               # Hopper, 33..1023 tokens, enough tiles: warp-specialized
-    xa = xa.contiguous()
+        return ws.ws_mm(x2, w, bias, wcfg, lora=lora)    # Hopper, 33..1023 tokens, enough tiles: warp-specialized
     N, KT = w.n, w.words.shape[0]
     cfg = dict(config or mm_config(M, N, K))
     BM, BN = cfg.pop("BM"), cfg.pop("BN")

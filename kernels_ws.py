@@ -28,35 +28,40 @@ A wgmma reads its register operand while in flight, and ptxas protects those reg
 and drains its wgmmas at the end; tests/test_ws_sass.py checks the SASS.
 K may be split (SPLIT programs per output tile, each over KT / SPLIT tiles): they park fp32 partial sums in
 kernels.py's workspace and the last to finish (a counter per tile) adds them up, as kernels.py's GEMM does.
+The rollout's LoRA term (lora=(xa, B): y += xa @ B^T, xa = x @ A^T) is added in the epilogue on the tensor cores: xa's
+tile goes into a free token stage as the wgmma's shared-memory operand, B's rows are the register operand, 16 ranks
+a wgmma (in split 0's partial when K is split). It costs 0.17 ms of a 7B decode step at batch 64 over the four
+shapes' 2.64 ms, where the Triton GEMM's epilogue term cost 0.32 ms (`python bench.py profile --batches 64
+--lora-rank 32`, and without --lora-rank).
 
-Leaves out: splits that do not divide the K tiles, the LoRA epilogue term (calls with lora= take the Triton GEMM), a CPU
-path (the reference is kernels.nvfp4_linear_ref; the tests compare on the GPU), two consumer warp groups sharing one
-token tile (a 128-row tile on 8 warps: with Triton 3.6's setmaxnreg each group gets 232 registers and keeps 7 wgmmas in
-flight, yet the best config per case was slower at 64 and 128 tokens on every shape: qkv at 64 tokens 15.3 vs 12.1 us,
-gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172, `python bench_ws128.py 64,128`), a 128-row weight tile in one
-warp group (two wgmmas per block, half the token traffic per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53
-us: the limit is the warp group's dequantization, not the token tiles' L2 traffic), a deeper ring (5-10 stages: no
-faster than 4 at 64-128 tokens), two 128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3
-vs 21.4 us for the 256-token tiles; with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out
-every K tile of every output tile, the last of a tile's programs adds the parked partials): slower where it was meant to
-help (qkv at 64 tokens over 132 programs 16.5 us, one program per weight tile 14.6 us, with 47 vs 28 MB through L2),
-5-10% faster only at 224-384 tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped.
-Tried again with 128- and 256-token tiles (each program at least half a tile's K, its ring carrying on from one tile to
-the next), it was 1.15-1.65x slower than the best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2
-vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs past the
-whole waves take 1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256
-tokens 119.2 vs 114.8 us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather than in
-waves, and a lone program runs faster than two an SM (0.39 vs 0.55 us a K tile). Two more, timed against the dispatch in
-one run each and dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM in all 12 cases but down
-at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-4 programs an SM); more 64-token programs an
-SM through fewer registers (96-104) and shallower rings (2-3 stages): no faster than 2 programs of 4 stages in any of
-the 14 cases at 48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4), so the
-ring's depth matters more than the programs an SM. And one compiled only: two consumer warp groups of 64 rows each
-sharing one token ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes their wgmmas at every
-register budget from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above.
-Nor the weights as the wgmma's B operand, dequantized into a shared-memory ring by 4 warps of their own for a warp group
-that only issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs
-48.8 us), as each weight then crosses shared memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps").
+Leaves out: splits that do not divide the K tiles, a CPU path (the reference is kernels.nvfp4_linear_ref; the tests
+compare on the GPU), two consumer warp groups sharing one token tile (a 128-row tile on 8 warps: with Triton 3.6's
+setmaxnreg each group gets 232 registers and keeps 7 wgmmas in flight, yet the best config per case was slower at 64 and
+128 tokens on every shape: qkv at 64 tokens 15.3 vs 12.1 us, gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172,
+`python bench_ws128.py 64,128`), a 128-row weight tile in one warp group (two wgmmas per block, half the token traffic
+per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's dequantization, not the
+token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens), two 128-token programs an SM
+(168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token tiles; with 3 stages, one an SM
+again, 30.0 us), a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's
+programs adds the parked partials): slower where it was meant to help (qkv at 64 tokens over 132 programs 16.5 us, one
+program per weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster only at 224-384 tokens, and its per-tile
+bookkeeping made every other call 8-13% slower, so it was dropped. Tried again with 128- and 256-token tiles (each
+program at least half a tile's K, its ring carrying on from one tile to the next), it was 1.15-1.65x slower than the
+best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2 vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us).
+Nor a K split of only the last, partial wave's tiles (programs past the whole waves take 1/2-1/4 of a tile's K): no
+faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188
+vs 207 us), as programs start whenever an SM frees up rather than in waves, and a lone program runs faster than two an
+SM (0.39 vs 0.55 us a K tile). Two more, timed against the dispatch in one run each and dropped: 16- and 32-token tiles
+for 1-32 tokens (slower than the Triton GEMM in all 12 cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token
+44.1 vs 33.8 us, with 3-4 programs an SM); more 64-token programs an SM through fewer registers (96-104) and shallower
+rings (2-3 stages): no faster than 2 programs of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at
+64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM.
+And one compiled only: two consumer warp groups of 64 rows each sharing one token ring (so that two such programs, 288
+threads each, fit an SM): ptxas serializes their wgmmas at every register budget from 96 to 168 (advisory C7512,
+"insufficient register resources"), as with the shared token tile above. Nor the weights as the wgmma's B operand,
+dequantized into a shared-memory ring by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A
+operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared
+memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps").
 """
 import functools
 
@@ -68,7 +73,8 @@ import kernels
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own kernel
     gluon = None
@@ -229,9 +235,9 @@ if gluon is not None:
         gl.store(st_ptr + p * 4 + j + z * 0, ns, mask=z == 0)
 
     @gluon.jit
-    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0, m0,
-                  NT, stride_ym, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  STAMP: gl.constexpr):
+    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
+                  M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
         # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
         # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
         # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
@@ -266,6 +272,8 @@ if gluon is not None:
             _stamp(st_ptr, 2)
         OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
         out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
+        if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
+            out = _lora(out, x_bufs.index(1), xa_ptr, lb_ptr, M, N, R, n0, m0, gl.program_id(2) == 0, BM, RP)
         if BM == 256:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
             # holds the tile transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from
             # the wgmma layout, 32-byte reads in the layout of the global stores
@@ -295,6 +303,31 @@ if gluon is not None:
             _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
         if STAMP:
             _stamp(st_ptr, 3)
+
+    @gluon.jit
+    def _lora(out, buf, xa_ptr, lb_ptr, M, N, R, n0, m0, on, BM: gl.constexpr, RP: gl.constexpr):
+        # out (64, BM) fp32 += B[n0 : n0 + 64, :R] @ xa[m0 : m0 + BM, :R]^T on the tensor cores (the rollout's LoRA:
+        # xa = x @ A^T (M, R), B (N, R); zero where not on). xa goes into a token stage (all its reads are done) in
+        # pieces of rows, as the wgmma's shared-memory operand; B's columns are the register operand, 16 at a time.
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        XL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        CH: gl.constexpr = 32 if BM == 256 else 64                # rows a piece (fewer beside the 256-token tile)
+        r = gl.arange(0, 128, gl.SliceLayout(0, XL))
+        for c in gl.static_range(BM // CH):
+            m = m0 + CH * c + gl.arange(0, CH, gl.SliceLayout(1, XL))
+            xa = gl.load(xa_ptr + m[:, None] * R + r[None, :], mask=(m[:, None] < M) & (r[None, :] < R), other=0.0)
+            buf.slice(CH * c, CH).store(xa)                                                  # (CH, 128) bf16
+        fence_async_shared()                          # the stores, before the async proxy (the wgmma) reads them
+        gl.thread_barrier()
+        xt = buf.permute((1, 0))                                                             # (128, BM) xa^T
+        for j in gl.static_range(RP // 16):
+            nn = n0 + gl.arange(0, 64, gl.SliceLayout(1, DOT))
+            rr = 16 * j + gl.arange(0, 16, gl.SliceLayout(0, DOT))
+            b = gl.load(lb_ptr + nn[:, None] * R + rr[None, :], mask=(nn[:, None] < N) & (rr[None, :] < R) & on,
+                        other=0.0)                                                           # (64, 16) bf16
+            out = warpgroup_mma(b, xt.slice(16 * j, 16), out, is_async=True)
+        return warpgroup_mma_wait(0, deps=[out])
 
     @gluon.jit
     def _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS: gl.constexpr):
@@ -327,9 +360,9 @@ if gluon is not None:
         tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))        # K OOB: zeros
 
     @gluon.jit
-    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, MX, N, NP, NT, stride_ym,
-                   BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   STAMP: gl.constexpr = False):
+    def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
+                   NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -340,21 +373,22 @@ if gluon is not None:
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
-            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, M, N, n0,
-                         m0, NT, stride_ym, BM, S, SPLIT, HAS_BIAS, STAMP)),
+            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
                        gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
-          stamps: torch.Tensor | None = None) -> torch.Tensor:
+          stamps: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
     config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
     S=ring stages, 2 to 5 (default STAGES, 3 at BM = 256)), default ws_config's (or BM = 128). stamps: an int64 tensor
     of 4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
-    stored (a separate build; the bits of y are the same)."""
-    M, K = x2.shape
+    stored (a separate build; the bits of y are the same). lora=(xa, B): also add xa @ B^T in the epilogue, as
+    kernels.nvfp4_mm does (xa (M, R), contiguous B (N, R), R <= 128)."""
+    (M, K), (xa, lb, R) = x2.shape, kernels.lora_args(x2, w, lora)
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
     BM, split = cfg["BM"], cfg.get("SPLIT", 1)
@@ -381,7 +415,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
-                     stamps if stamps is not None else cnt, M, x2.shape[0], w.n, NP, NT, y.stride(0), BM=BM,
-                     S=S, SPLIT=split, HAS_BIAS=bias is not None,
+                     stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
+                     S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
                      STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

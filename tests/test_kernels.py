@@ -159,6 +159,38 @@ def test_ws_gemm_matches_reference(M, N, Kd):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Gluon kernels have no CPU interpreter)")
+@pytest.mark.parametrize("M,N,Kd,R", [(40, 64, 400, 8), (64, 200, 1104, 24), (100, 130, 768, 32), (300, 96, 272, 128)])
+def test_ws_gemm_lora(M, N, Kd, R):
+    """kernels_ws's LoRA epilogue term (xa @ B^T on wgmma, once per output tile) against fp32: ranks that are and are
+    not multiples of 16 up to 128, partial token and weight-row tiles, each token tile, a bias, K split 1 to 4 (the term
+    rides in split 0's partial); and kernels.nvfp4_mm's dispatch with lora= takes the same path."""
+    import kernels_ws
+    w, _ = make_weight(N, Kd, seed=M + R, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, Kd, device="cuda", generator=g).to(torch.bfloat16)
+    if not kernels_ws.usable(x):
+        pytest.skip("needs a Hopper GPU and Triton's Gluon")
+    bias = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16)
+    xa = torch.randn(M, R, device="cuda", generator=g).to(torch.bfloat16)
+    B = (0.1 * torch.randn(N, R, device="cuda", generator=g)).to(torch.bfloat16)
+    y32, tol = expected(x, w, bias)
+    term = xa.float() @ B.float().t()
+    tol = tol + ROUND["cuda"] * term.abs() + 1e-5 * (xa.float().abs() @ B.float().abs().t())
+    KT = w.words.shape[0]
+    cfgs = [dict(BM=64, maxnreg=128), dict(BM=128, maxnreg=None), dict(BM=256, maxnreg=None)]
+    cfgs += [dict(BM=64, maxnreg=128, SPLIT=s) for s in (2, 3, 4) if KT % s == 0]
+    for cfg in cfgs:
+        yl = kernels_ws.ws_mm(x, w, bias, config=cfg, lora=(xa, B))
+        err = (yl.float() - y32 - term).abs()
+        assert (err <= tol).all(), (cfg, err.max())
+    cfg = kernels_ws.ws_config(M, N, Kd)
+    if cfg is not None and M > K.WS_MIN_M:
+        assert torch.equal(K.nvfp4_mm(x, w, bias, lora=(xa, B)), kernels_ws.ws_mm(x, w, bias, cfg, lora=(xa, B)))
+    with pytest.raises(ValueError, match="lora must be"):
+        kernels_ws.ws_mm(x, w, bias, config=cfgs[0], lora=(xa, B.t()))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (Gluon kernels have no CPU interpreter)")
 @pytest.mark.parametrize("N,Kd", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
     """At the 7B linear shapes, kernels_ws gives the same bits as kernels.py's Triton GEMM with the same tile and K

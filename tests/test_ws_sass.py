@@ -87,18 +87,18 @@ def overwrites(ins: list[tuple[int, str]]) -> list[str]:
     return bad
 
 
-def compiled(BM: int, S: int, maxnreg, split: int = 1):
+def compiled(BM: int, S: int, maxnreg, split: int = 1, RP: int = 0):
     """The kernel's machine code for one configuration, compiled for sm_90a without a GPU."""
     wl = gl.NVMMASharedLayout.get_default_for([W.BN, 16], gl.int32)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     xl = gl.NVMMASharedLayout.get_default_for([BM, 128], gl.bfloat16)
     sig = {"w_desc": f"tensordesc<i32[{W.BN}, 16],{wl!r}>", "s_desc": f"tensordesc<i32[{W.BN // 2}, 4],{sl!r}>",
            "x_desc": f"tensordesc<bf16[{BM}, 128],{xl!r}>", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "M": "i32", "MX": "i32", "N": "i32", "NP": "i32",
-           "NT": "i32", "stride_ym": "i32", "BM": "constexpr", "S": "constexpr", "SPLIT": "constexpr",
-           "HAS_BIAS": "constexpr"}
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "xa_ptr": "*bf16", "lb_ptr": "*bf16", "M": "i32",
+           "MX": "i32", "N": "i32", "NP": "i32", "NT": "i32", "stride_ym": "i32", "R": "i32", "BM": "constexpr",
+           "S": "constexpr", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "RP": "constexpr"}
     _restore_language()
-    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, SPLIT=split, HAS_BIAS=True))
+    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, SPLIT=split, HAS_BIAS=True, RP=RP))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
 
@@ -117,17 +117,19 @@ def test_scan_catches_an_overwrite():
 
 
 @pytest.mark.skipif(not shutil.which("cuobjdump", path=BIN), reason="Triton's CUDA binaries are not installed")
-@pytest.mark.parametrize("BM,S,maxnreg,split", [(128, 4, None, 1), (64, 4, 128, 1), (64, 4, 128, 2), (128, 3, None, 1),
-                                                (128, 4, 168, 1), (256, 3, None, 1), (128, 5, None, 1)])
-def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, maxnreg, split):
+@pytest.mark.parametrize("BM,S,maxnreg,split,RP", [(128, 4, None, 1, 0), (64, 4, 128, 1, 0), (64, 4, 128, 2, 0),
+                                                   (128, 3, None, 1, 0), (128, 4, 168, 1, 0), (256, 3, None, 1, 0),
+                                                   (128, 5, None, 1, 0), (64, 4, 128, 2, 32), (256, 3, None, 1, 128)])
+def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, maxnreg, split, RP):
     """No instruction overwrites an in-flight wgmma's registers, in the configurations the dispatch uses and in the
     two (3 stages; 168 registers) that failed every run before, while the wgmmas do stay asynchronous (up to 7 in
     flight: else the check would hold trivially), with and without split K. The kernel holds S tiles of 8 wgmmas in
-    its loop (a lap of the ring) and S - 1 after it (the K tiles past the last whole lap, each drained)."""
+    its loop (a lap of the ring) and S - 1 after it (the K tiles past the last whole lap), plus RP / 16 for a LoRA
+    term of rank up to RP in the epilogue."""
     path = tmp_path / "ws.cubin"
-    path.write_bytes(compiled(BM, S, maxnreg, split)["cubin"])
+    path.write_bytes(compiled(BM, S, maxnreg, split, RP)["cubin"])
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(path)], check=True, capture_output=True,
                           text=True).stdout
     ins = parse(sass)
-    assert sum("HGMMA" in t for _, t in ins) == 8 * (2 * S - 1) and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins)
+    assert sum("HGMMA" in t for _, t in ins) == 8 * (2 * S - 1) + RP // 16 and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins)
     assert overwrites(ins) == []
