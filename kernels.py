@@ -24,15 +24,11 @@ park partial sums in a workspace and the last one to finish (a counter per outpu
 call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
 1-8 tokens run the K-sliced kernel instead (16-32 weight rows over all of K, 4 warps each taking every 4th K tile as
 the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fixup; see mm_config).
-Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there.
-On Hopper, 33..1023 tokens (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized Gluon GEMM where its ws_config
-says it wins (bench.py kernels --parts ws); everything else runs the kernel below.
+Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there. On Hopper, 33..1023 tokens
+(WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
 
-Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, a cheaper
-split-K fixup (counting without the fence: 1-3% faster; swapping the partials of 2 splits per element: slower at
-the tile sizes that need it; the split's programs as one cluster, adding partials over DSMEM: slower), a CUDA-core
-GEMV for one token (no fixup, but 1.3-1.9x slower: issue-bound), the K-sliced kernel above 8 tokens. All measured in
-KERNELS.md.
+Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, and the
+designs measured and dropped in KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
 import functools
 import os
@@ -349,9 +345,8 @@ def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> di
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
 
     Up to 8 tokens (sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 K slices (4 warps, 4
-    stages), 16 weight rows (32 for many row tiles: gate_up); within 12% of the best over the 7B and 32B shapes
-    (`--sweep ks [--size 32b]`), 1.03-1.5x faster than split-K (at 16 tokens its token re-reads lose). Otherwise BM
-    covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound: 64-row
+    stages), 16 weight rows (32 for many row tiles: gate_up); 1.03-1.5x faster than split-K (`--sweep ks`). Otherwise
+    BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound: 64-row
     tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are enough
     programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at 17..64
     tokens a long K (down_proj) is split up to one full wave of 3 programs per SM while each split keeps >= 16 K
@@ -359,9 +354,7 @@ def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> di
     quantization decides: a long K with few 128 x 128 tiles splits K to fill one wave of them; 128 x 128 tiles (8
     warps, one program per SM) when they fill their last wave >= 75%; else 128 x 64 tiles if they fit one wave
     (split in 2 when that still does); else 64 x 64 tiles (3 programs per SM). PEEL (the first K tile outside the
-    loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split: 1.13x on gate_up at
-    M = 64, 1.1-1.15x on the 128 x 128 tile at 256-512 tokens; at M <= 16 its prologue costs 2-3%.
-    """
+    loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split (KERNELS.md)."""
     KT, cdiv = -(-K // 128), lambda a, b: -(-a // b)
     if sliced and M <= 8:
         BN = 32 if cdiv(N, 16) >= 8 * sms else 16
