@@ -284,7 +284,7 @@ def bench_model(out: dict, size: str = "7b"):
 
 
 def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256, bases=("nvfp4", "bf16"),
-                  hf: bool = True, pdls=("on",)):
+                  hf: bool = True):
     """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS ignored."""
     import rollout
 
@@ -292,10 +292,7 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
     for base in bases:
         m = random_model(size, base == "nvfp4")
         wb = weight_bytes(m)
-        for B, pdl in ((B, p) for B in batches for p in pdls):
-            import kernels, kernels_ws
-            kernels.PDL = {"off": 0, "start": 1, "exit": 2, "wait": 1, "on": 1}[pdl]
-            kernels_ws.PDL_MODE = 1 if pdl == "wait" else 2
+        for B in batches:
             try:
                 eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 prompts = torch.randint(0, 150000, (B, prompt)).tolist()
@@ -312,7 +309,7 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
                 dt1 = time.time() - t0
                 toks = sum(len(o.tokens) for o in outs)
                 kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
-                row = dict(size=size, base=base, batch=B, pdl=pdl, tok_s=toks / dt, prefill_ms=1e3 * dt1,
+                row = dict(size=size, base=base, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
                            decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
                            roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
                            peak_GB=torch.cuda.max_memory_allocated() / 1e9)
@@ -452,8 +449,6 @@ def main(argv=None):
                          "time goes, sampler: ops.race_sample chunked vs one program a row; see bench_sweep)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
-    ap.add_argument("--pdl", default="on", help="with rollout: programmatic dependent launch on, off, or wait "
-                    "(the warp-specialized GEMM loads nothing before the previous kernel ends); a list runs each")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
@@ -474,8 +469,7 @@ def main(argv=None):
         if args.what == "model":
             bench_model(out, args.size)
         elif args.what == "rollout":
-            bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf,
-                          pdls=args.pdl.split(","))
+            bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf)
         else:
             bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
     parts = args.parts.split(",") if args.what == "kernels" else []

@@ -53,7 +53,6 @@ CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels o
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
 WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-PDL = int(os.environ.get("NANOQERL_PDL", "1"))   # programmatic dependent launch on Hopper (see pdl)
 
 
 class NVFP4Weight(NamedTuple):
@@ -153,23 +152,7 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None 
 # ----------------------------------------------------------------------------------------------------------------
 # The GEMM kernel
 
-def pdl(t: torch.Tensor) -> dict:
-    """Launch options for programmatic dependent launch (Hopper): the kernel may start while the one before it in the
-    stream finishes; its programs signal the next kernel at once and wait (griddepcontrol) before touching memory."""
-    ok = PDL and t.is_cuda and not INTERPRET and torch.cuda.get_device_capability(t.device)[0] >= 9
-    return dict(PDL=PDL, launch_pdl=True) if ok else {}
-
-
 if triton is not None:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    @triton.jit
-    def _pdl_enter(PDL: tl.constexpr):
-        if PDL == 1:
-            gdc_launch_dependents()
-        if PDL > 0:
-            gdc_wait()
-
     # per row: two words with the 8 fp8 block scales of a K tile -> 8 bf16x2 multipliers (s_r * 2^7, s_r * 2^7)
     _SCALE_ASM = tl.constexpr("""{
     .reg .b32 p<4>, c; .reg .b16 h<8>;
@@ -258,9 +241,7 @@ if triton is not None:
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -308,9 +289,7 @@ if triton is not None:
     @triton.jit
     def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, M, N, NP, K, KT, stride_xm,
                             stride_ym, R, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
-                            PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0):
         # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch index of a 3-D dot
         # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end, so no
         # workspace, counter or second pass over partial sums
@@ -335,8 +314,7 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
-                              USE_ASM: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                              USE_ASM: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         for t in range(tl.program_id(1) * TPP, tl.minimum(tl.program_id(1) * TPP + TPP, KT)):  # TPP K tiles of 128
             words = tl.load(w_ptr + (t * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :])          # (BN, 16)
@@ -442,14 +420,14 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
             x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N,
             w.words.shape[1], K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP,
-            USE_ASM=asm, **cfg, **pdl(x2))
+            USE_ASM=asm, **cfg)
         return y
     split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
     grid = (-(-N // BN), -(-M // BM), split)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
-                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg, **pdl(x2))
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
 
 
@@ -470,7 +448,7 @@ def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
     KT, tpp = w.words.shape[0], 4
     _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n,
                                                            w.words.shape[1], w.k, KT, BN=64, TPP=tpp,
-                                                           USE_ASM=not INTERPRET, num_warps=4, **pdl(w.words))
+                                                           USE_ASM=not INTERPRET, num_warps=4)
     return out.to(dtype)
 
 

@@ -81,7 +81,6 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens; 3 x 68.5 KB at 256 tokens)
-PDL_MODE = int(__import__("os").environ.get("NANOQERL_WS_PDL", "2"))
 T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
 
 
@@ -238,7 +237,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
                   M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr, PDL: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
         # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
         # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
         # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
@@ -253,8 +252,6 @@ if gluon is not None:
         # before every K tile (3-8% slower in all 16 cases timed; KERNELS.md).
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         acc = gl.zeros((64, BM), gl.float32, MMA)
-        if PDL:
-            _gdc("wait")
         if STAMP:  # start, first tile landed, loop done, stored
             _stamp(st_ptr, 0)
             mbarrier.wait(ready[0], 0)
@@ -340,39 +337,15 @@ if gluon is not None:
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _gdc(op: gl.constexpr):
-        # griddepcontrol: "launch_dependents" (the next kernel may start) or "wait" (the previous one has finished)
-        gl.inline_asm_elementwise("griddepcontrol." + op + "; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr,
-                PDL: gl.constexpr, TRIG: gl.constexpr):
+    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
         # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
         laps = NT // S
-        first = 0
-        if TRIG:
-            _gdc("launch_dependents")
-        if PDL == 1:
-            _gdc("wait")
-        if PDL == 2:  # the first lap's weights while the previous kernel finishes; its tokens once it has
-            nb: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
-            for u in gl.static_range(S):
-                if u < NT:
-                    mbarrier.expect(ready[u], nb)
-                    tma.async_copy_global_to_shared(w_desc, [(t0 + u) * NP + n0, 0], ready[u], w_bufs.index(u))
-                    tma.async_copy_global_to_shared(s_desc, [((t0 + u) * NP + n0) // 2, 0], ready[u],
-                                                    s_bufs.index(u))
-            _gdc("wait")
-            for u in gl.static_range(S):
-                if u < NT:
-                    tma.async_copy_global_to_shared(x_desc, [m0, (t0 + u) * 128], ready[u], x_bufs.index(u))
-            first = 1
-        for lap in range(first, laps):
+        for lap in range(laps):
             for u in gl.static_range(S):
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
                       (lap & 1) ^ 1)
         for u in gl.static_range(S - 1):
-            if u < NT - laps * S and laps >= first:
+            if u < NT - laps * S:
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
                       (laps & 1) ^ 1)
 
@@ -389,8 +362,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False, PDL: gl.constexpr = 0,
-                   TRIG: gl.constexpr = False):
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -402,9 +374,9 @@ if gluon is not None:
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
-                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP, PDL)),
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
-                       gl.program_id(2) * NT, NT, S, PDL, TRIG)),
+                       gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
@@ -417,7 +389,6 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     stored (a separate build; the bits of y are the same). lora=(xa, B): also add xa @ B^T in the epilogue, as
     kernels.nvfp4_mm does (xa (M, R), contiguous B (N, R), R <= 128)."""
     (M, K), (xa, lb, R) = x2.shape, kernels.lora_args(x2, w, lora)
-    pdl = dict(PDL=PDL_MODE, TRIG=kernels.PDL == 1, launch_pdl=True) if kernels.pdl(x2) and PDL_MODE else {}
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
     BM, split = cfg["BM"], cfg.get("SPLIT", 1)
@@ -446,5 +417,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"], **pdl)
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

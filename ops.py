@@ -16,11 +16,10 @@ import versions
 versions.check()
 import torch  # noqa: E402
 
-from kernels import _use_triton, pdl, triton  # noqa: E402
+from kernels import _use_triton, triton  # noqa: E402
 
 if triton is not None:
     import triton.language as tl
-    from kernels import _pdl_enter
 
 
 def rope_inv_freq(cfg) -> torch.Tensor:
@@ -67,8 +66,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, HEADS, sxb, sxh, sxt, scb, sct, syb, syh, syt,
-                     BACKWARD: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                     BACKWARD: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
         bt, hb = tl.program_id(0), tl.program_id(1)           # (token, HB heads) per program
         b, t = (bt // T).to(tl.int64), bt % T
         h = (hb * HB + tl.arange(0, HB))[:, None]             # (HB, 1)
@@ -91,7 +89,7 @@ def _rope_launch(x, cos, sin, backward: bool):
     hb = min(8, triton.next_power_of_2(Hh))
     _rope_kernel[(B * T, triton.cdiv(Hh, hb))](x, cos, sin, y, T, Hh, x.stride(0), x.stride(1), x.stride(2),
                                                cos.stride(0), cos.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4, **pdl(x))
+                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4)
     return y
 
 
@@ -132,8 +130,7 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ck_ptr, cv_ptr, slot_ptr, T, HQ, HK,
                            sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sob, soh, sot, scacheb, scacheh,
-                           scaches, HALF: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                           scaches, HALF: tl.constexpr):
         bt, h = tl.program_id(0), tl.program_id(1)           # one (token, head) vector per program
         b, t = (bt // T).to(tl.int64), bt % T
         i = tl.arange(0, HALF)
@@ -173,7 +170,7 @@ def rope_cache(q, k, v, cos, sin, cache_k, cache_v, slots):
     qo = torch.empty(B, HQ, T, D, dtype=q.dtype, device=q.device)
     _rope_cache_kernel[(B * T, HQ + 2 * HK)](
         q, k, v, cos, sin, qo, cache_k, cache_v, slots, T, HQ, HK, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1, **pdl(q))
+        *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1)
     return qo
 
 
@@ -187,9 +184,7 @@ def silu_mul_ref(gu, n: int, up_off: int):
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, dy_ptr, y_ptr, N, UP, stride_gu, BACKWARD: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+    def _silu_mul_kernel(gu_ptr, dy_ptr, y_ptr, N, UP, stride_gu, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
         dt = y_ptr.dtype.element_ty
@@ -211,7 +206,7 @@ def _silu_mul_launch(gu2, n, up_off, dy2=None):
     y = torch.empty(rows, n, dtype=gu2.dtype, device=gu2.device) if dy2 is None else \
         (torch.empty_like(gu2) if W == 2 * n and up_off == n else torch.zeros_like(gu2))   # padding columns: 0
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gu2, dy2 if dy2 is not None else gu2, y, n, up_off, gu2.stride(0),
-                                                   BACKWARD=dy2 is not None, BLOCK=1024, **pdl(gu2))
+                                                   BACKWARD=dy2 is not None, BLOCK=1024)
     return y
 
 
@@ -257,8 +252,7 @@ def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
 if triton is not None:
     @triton.jit
     def _rms_fwd_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, rstd_ptr, H, eps,
-                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -277,8 +271,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, z_ptr, rstd_ptr, dx_ptr, dw_ptr, M, H, ROWS_PER_PROG,
-                        HAS_DH: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+                        HAS_DH: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
@@ -318,7 +311,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         z = noise.contiguous() if noise is not None else weight
         _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd, H, eps,
-                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H), **pdl(x2))
+                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
         ctx.save_for_backward(h, weight, noise, rstd)
         ctx.has_res = residual is not None
         y = y.reshape(x.shape)
@@ -336,7 +329,7 @@ class _RMSNorm(torch.autograd.Function):
         dh2 = dh.reshape(-1, H).contiguous() if dh is not None else None
         _rms_bwd_kernel[(progs,)](dy.reshape(-1, H).contiguous(), dh2 if dh2 is not None else dx, h, weight,
                                   noise if noise is not None else weight, rstd, dx, dw, M, H, per,
-                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None, **_rms_config(H), **pdl(h))
+                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
         dx = dx.reshape(dy.shape)
         dweight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dweight, None, None, (dx if ctx.has_res else None)
@@ -380,8 +373,7 @@ if triton is not None:
         return mx, lsum, top, tl.min(tl.where(best == top, arg, NONE), 0)
 
     @triton.jit
-    def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+    def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
         # program (row, chunk): per lane a running race winner and an online logsumexp over the chunk's CH logits,
         # reduced across lanes to 4 partials (max z, sum exp(z - max), best race score, its index)
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -409,8 +401,7 @@ if triton is not None:
         tl.store(p + 3, tok.to(tl.float32))                                    # exact: V < 2^24
 
     @triton.jit
-    def _race_merge_kernel(z_ptr, part_ptr, tok_ptr, lp_ptr, C, stride_z, inv_t, BC: tl.constexpr, PDL: tl.constexpr = False):
-        _pdl_enter(PDL)
+    def _race_merge_kernel(z_ptr, part_ptr, tok_ptr, lp_ptr, C, stride_z, inv_t, BC: tl.constexpr):
         # one row per program: the chunks' partials -> the winner (first index among ties) and its log-probability
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BC)
@@ -444,7 +435,7 @@ def race_sample(logits, e, temperature: float, chunks: int | None = None):
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
     _race_part_kernel[(B, C)](logits, e, part, V, CH, logits.stride(0), e.stride(0), 1.0 / temperature, BLOCK=BLOCK,
-                              num_warps=8, **pdl(logits))
+                              num_warps=8)
     _race_merge_kernel[(B,)](logits, part, tok, lp, C, logits.stride(0), 1.0 / temperature,
-                             BC=max(16, triton.next_power_of_2(C)), num_warps=1, **pdl(logits))
+                             BC=max(16, triton.next_power_of_2(C)), num_warps=1)
     return tok, lp
