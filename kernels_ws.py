@@ -235,111 +235,74 @@ if gluon is not None:
         gl.store(st_ptr + p * 4 + j + z * 0, ns, mask=z == 0)
 
     @gluon.jit
-    def _item(j, W, G, NTN, KT, NTC, SPLIT, MX, BM: gl.constexpr):
-        # this program's j-th work item: whole tiles p, p + G, .. below W (all KT K tiles), then chunk p of the tiles
-        # from W on, each cut in SPLIT chunks of NTC K tiles -> (tile, its chunk, n0, token tile, m0, first K tile, count)
-        p = gl.program_id(0)
-        c = (j >= gl.maximum(W - p + G - 1, 0) // G).to(gl.int32)                          # 1: the chunk
-        tile = c * (W + p // SPLIT) + (1 - c) * (p + j * G)
-        sp = c * (p % SPLIT)
-        t0 = sp * NTC
-        nt = c * gl.minimum(NTC, KT - t0) + (1 - c) * KT
-        mt = tile // NTN
-        return tile, sp, (tile % NTN) * 64, mt, gl.maximum(gl.minimum(mt * BM, MX - BM), 0), t0, nt
-
-    @gluon.jit
-    def _items(W, C, G):
-        p = gl.program_id(0)
-        return gl.maximum(W - p + G - 1, 0) // G + (p < C).to(gl.int32)
-
-    @gluon.jit
-    def _phase(j, KT, u: gl.constexpr, lap, S: gl.constexpr):
-        # parity of stage u's use in lap `lap` of item j: each earlier item (all whole: KT tiles) used stage u
-        # KT // S times, plus once if u is one of the last KT % S stages (which take the tiles after the laps)
-        return (j * (KT // S + (u >= S - KT % S).to(gl.int32)) + lap) & 1
-
-    @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
-                  M, MX, N, NTN, MP, KT, NTC, W, C, G, SPLIT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr, MULTI: gl.constexpr):
-        # Per work item (see _item), one lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per
-        # loop iteration, up to 7 wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in
-        # flight. ptxas keeps those registers from being reused until the wait that completes it, but not across a
-        # loop back-edge: with wgmmas in flight from one iteration to the next, the next tile's dequantization
-        # overwrote their operands (wrong results in 23 of 240 runs; with 3 stages or 168 registers, every run). So
-        # every lap ends with all its wgmmas complete; the nt % S tiles after the last lap are straight-line code,
-        # drained once at the end. A stage goes back to the loader by an mbarrier arrive (release semantics) once its
-        # reads are done (the words and scales loaded to registers, its wgmmas retired by a wait); the loader's wait
-        # (acquire) orders its next TMA writes after them, with no proxy fence (one per release cost 1-4%: 2% geomean
-        # over 19 dispatched shapes). Each stage's mbarriers are allocations of their own, indexed at compile time:
-        # Triton puts a warp-group barrier between two waits on one allocation, which the ring indexed at run time
-        # (i % S) paid before every K tile (3-8% slower in all 16 cases timed; KERNELS.md). The stage of an item's
-        # last K tile is kept until its epilogue is done, which may use it (the LoRA operand, the 256-token store);
-        # meanwhile the loader fills the other stages with the next item's tiles.
+                  M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
+        # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
+        # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
+        # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
+        # wgmmas in flight from one iteration to the next, the next tile's dequantization overwrote their operands
+        # (wrong results in 23 of 240 runs; with 3 stages or 168 registers, every run). So every lap ends with all
+        # its wgmmas complete; the NT % S tiles after the last lap are straight-line code, drained once at the end.
+        # A stage goes back to the loader by an mbarrier arrive (release semantics) once its reads are done (the
+        # words and scales loaded to registers, its wgmmas retired by a wait); the loader's wait (acquire) orders its
+        # next TMA writes after them, with no proxy fence (one per release cost 1-4%: 2% geomean over 19 dispatched
+        # shapes). Each stage's mbarriers are allocations of their own, indexed at compile time: Triton puts a
+        # warp-group barrier between two waits on one allocation, which the ring indexed at run time (i % S) paid
+        # before every K tile (3-8% slower in all 16 cases timed; KERNELS.md).
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-        OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
-        if STAMP:  # start, first tile landed, (last item's) loop done, stored
+        acc = gl.zeros((64, BM), gl.float32, MMA)
+        if STAMP:  # start, first tile landed, loop done, stored
             _stamp(st_ptr, 0)
             mbarrier.wait(ready[0], 0)
             _stamp(st_ptr, 1)
-        for j in range(_items(W, C, G) if MULTI else 1):
-            tile, sp, n0, mt, m0, t0, nt = _item(j, W, G, NTN, KT, NTC, SPLIT, MX, BM)
-            acc = gl.zeros((64, BM), gl.float32, MMA)
-            laps = nt // S
-            rem = nt - laps * S
-            for lap in range(laps):
-                for u in gl.static_range(S):
-                    acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, _phase(j, KT, u, lap, S), BM)
-                    if u > 0:                          # tile u-1's wgmmas are done (<= 7 in flight): free its stage
-                        mbarrier.arrive(empty[u - 1])
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                if lap < laps - 1 or rem > 0:          # else the item's last stage: kept for the epilogue
-                    mbarrier.arrive(empty[S - 1])
-            for u in gl.static_range(1, S):            # the last nt % S tiles, in stages .., S - 2, S - 1
-                if u >= S - rem:
-                    acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, nt - S + u, u, _phase(j, KT, u, laps, S), BM)
+        laps = NT // S
+        for lap in range(laps):
+            for u in gl.static_range(S):
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM)
+                if u > 0:                              # tile u-1's wgmmas are done (<= 7 in flight): free its stage
+                    mbarrier.arrive(empty[u - 1])
             acc = warpgroup_mma_wait(0, deps=[acc])
-            for u in gl.static_range(1, S - 1):
-                if u >= S - rem:
-                    mbarrier.arrive(empty[u])
-            if STAMP:
-                _stamp(st_ptr, 2)
-            buf = x_bufs.index(S - 1)                                                        # the last tile's stage
-            out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                       # (64, BM) fp32
-            if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
-                out = _lora(out, buf, xa_ptr, lb_ptr, M, N, R, n0, m0, sp == 0, BM, RP)
-            if BM == 256:  # no room for a separate 64 KB conversion buffer: the last stage holds the tile
-                # transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from the wgmma
-                # layout, 32-byte reads in the layout of the global stores
-                cb = buf._reinterpret(gl.float32, [BM, 64], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
-                gl.thread_barrier()
-                cb.store(gl.permute(out, [1, 0]))
-                gl.thread_barrier()
-                out = gl.permute(cb.load(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])), [1, 0])
-                out = gl.convert_layout(out, OUT, assert_trivial=True)
-            else:
-                out = gl.convert_layout(out, OUT)
-            if RP > 0 or BM == 256:                    # written through the generic proxy: fence before TMA reuse
-                gl.thread_barrier()
-                fence_async_shared()
             mbarrier.arrive(empty[S - 1])
-            n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
-            m = m0 + gl.arange(0, BM, gl.SliceLayout(0, OUT))
-            mask = (n[:, None] < N) & (m[None, :] < M) & (m[None, :] >= mt * BM)            # this tile's own rows
-            if tile >= W:  # a chunk: park the partial sum; the last of the tile's SPLIT chunks adds them up
-                gl.store(ws_ptr + (sp * MP + m[None, :]) * N + n[:, None], out, mask=mask)
-                gl.thread_barrier()                                # every thread's partial is out before the count
-                if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-                    out = gl.zeros((64, BM), gl.float32, OUT)
-                    for s in range(SPLIT):
-                        out += gl.load(ws_ptr + (s * MP + m[None, :]) * N + n[:, None], mask=mask, other=0.0,
-                                       cache_modifier=".cg")
-                    _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
-                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")          # no fence: the next launch sees it
-            else:
+        for u in gl.static_range(S - 1):       # the last NT % S tiles, in stages 0, 1, ..: nothing left to load
+            if u < NT - laps * S:
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if STAMP:
+            _stamp(st_ptr, 2)
+        OUT: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])                # 8 rows n per thread
+        out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
+        if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
+            out = _lora(out, x_bufs.index(1), xa_ptr, lb_ptr, M, N, R, n0, m0, gl.program_id(2) == 0, BM, RP)
+        if BM == 256:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
+            # holds the tile transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from
+            # the wgmma layout, 32-byte reads in the layout of the global stores
+            buf = x_bufs.index(0)._reinterpret(gl.float32, [BM, 64], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
+            buf.store(gl.permute(out, [1, 0]))
+            gl.thread_barrier()
+            out = gl.permute(buf.load(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])), [1, 0])
+            out = gl.convert_layout(out, OUT, assert_trivial=True)
+        else:
+            out = gl.convert_layout(out, OUT)
+        n = n0 + gl.arange(0, 64, gl.SliceLayout(1, OUT))
+        m = m0 + gl.arange(0, BM, gl.SliceLayout(0, OUT))
+        mask = (n[:, None] < N) & (m[None, :] < M) & (m[None, :] >= gl.program_id(1) * BM)  # this tile's own rows
+        if SPLIT > 1:  # park the partial sum; the last of the SPLIT programs of this output tile adds them up
+            mp = gl.num_programs(1) * BM                                                     # padded token count
+            gl.store(ws_ptr + (gl.program_id(2) * mp + m[None, :]) * N + n[:, None], out, mask=mask)
+            gl.thread_barrier()                                    # every thread's partial is out before the count
+            tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+                out = gl.zeros((64, BM), gl.float32, OUT)
+                for s in range(SPLIT):
+                    out += gl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None], mask=mask, other=0.0,
+                                   cache_modifier=".cg")
                 _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
-            if STAMP:
-                _stamp(st_ptr, 3)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")          # no fence: the next launch sees it
+        else:
+            _store(out, n, m, N, b_ptr, y_ptr, stride_ym, mask, HAS_BIAS)
+        if STAMP:
+            _stamp(st_ptr, 3)
 
     @gluon.jit
     def _lora(out, buf, xa_ptr, lb_ptr, M, N, R, n0, m0, on, BM: gl.constexpr, RP: gl.constexpr):
@@ -374,21 +337,17 @@ if gluon is not None:
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, MX, NTN, NP, KT, NTC, W, C, G, SPLIT,
-                BM: gl.constexpr, S: gl.constexpr, MULTI: gl.constexpr):
-        # each item's K tiles t0 .. t0 + nt - 1 (as _consumer: whole laps of stages 0 .. S - 1, then the rest in the
-        # last stages)
-        for j in range(_items(W, C, G) if MULTI else 1):
-            tile, sp, n0, mt, m0, t0, nt = _item(j, W, G, NTN, KT, NTC, SPLIT, MX, BM)
-            laps = nt // S
-            for lap in range(laps):
-                for u in gl.static_range(S):
-                    _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u,
-                          u, _phase(j, KT, u, lap, S) ^ 1)
-            for u in gl.static_range(1, S):
-                if u >= S - (nt - laps * S):
-                    _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + nt - S + u,
-                          u, _phase(j, KT, u, laps, S) ^ 1)
+    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
+        # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
+        laps = NT // S
+        for lap in range(laps):
+            for u in gl.static_range(S):
+                _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
+                      (lap & 1) ^ 1)
+        for u in gl.static_range(S - 1):
+            if u < NT - laps * S:
+                _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
+                      (laps & 1) ^ 1)
 
     @gluon.jit
     def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase):
@@ -402,24 +361,22 @@ if gluon is not None:
 
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
-                   NTN, MP, KT, NTC, W, C, SPLIT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr,
-                   HAS_BIAS: gl.constexpr, RP: gl.constexpr = 0, STAMP: gl.constexpr = False,
-                   MULTI: gl.constexpr = False):
-        # G programs share out the output tiles of 64 weight rows x BM tokens (see _item and ws_mm's schedule).
+                   NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
+        # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
         # 130 us moved back); _consumer stores only the tile's own rows.
-        G = gl.num_programs(0)
+        n0, m0 = gl.program_id(0) * 64, gl.maximum(gl.minimum(gl.program_id(1) * BM, MX - BM), 0)
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
-                         lb_ptr, M, MX, N, NTN, MP, KT, NTC, W, C, G, SPLIT, stride_ym, R, BM, S, HAS_BIAS, RP,
-                         STAMP, MULTI)),
-            (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, MX, NTN, NP, KT, NTC, W, C, G,
-                       SPLIT, BM, S, MULTI)),
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
+            (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
+                       gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
@@ -442,51 +399,23 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     S = cfg.get("S", 3 if BM == 256 else STAGES)
     if not 2 <= S <= 5:
         raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
-    NTN, NTM = -(-w.n // BN), -(-M // BM)                                           # weight and token tiles
-    G, W, C, SPLIT, NTC = schedule(NTN * NTM, KT, BM, cfg["maxnreg"], split, _sms(x2.device.index or 0),
-                                   cfg.get("persist", not (BM == 256 and R)))
+    NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
     w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16], wl)
     s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4], sl)
-    if M < BM and G > 132:
+    if M < BM and -(-w.n // BN) * split > 132:
         # fewer tokens than a tile and more programs than SMs: pad the tokens (see _ws_kernel; gate_up at 96 tokens:
         # 96 -> 75 us); with few programs a box past the rows costs nothing measurable and padding 3 us
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, BM - M))
     x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], xl)
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
-    ws, cnt = kernels._workspace(x2.device, SPLIT * NTM * BM * w.n if C else 0, NTN * NTM)
-    if stamps is not None and stamps.numel() < 4 * G:
-        raise ValueError(f"stamps needs 4 x {G} int64 entries, got {stamps.numel()}")
-    _ws_kernel[(G,)](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
-                     stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NTN, NTM * BM, KT, NTC, W,
-                     C, SPLIT, y.stride(0), R, BM=BM, S=S, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, MULTI=G < W + C, num_warps=4, maxnreg=cfg["maxnreg"])
+    grid = (-(-w.n // BN), -(-M // BM), split)
+    ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
+    if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
+        raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
+    _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
+                     stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
+                     S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
-
-
-@functools.cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def schedule(P: int, KT: int, BM: int, maxnreg, split: int, sms: int, persist: bool = True):
-    """How G programs share out P output tiles of KT K tiles: (G, W, C, SPLIT, NTC). Programs take whole tiles
-    p, p + G, .. below W, then program p < C takes chunk p of the tiles from W on, each cut in SPLIT chunks of NTC
-    K tiles (the last of a tile's chunks adds up their partial sums). A config's split > 1 cuts every tile (one
-    chunk a program). Past one wave of programs (two 64-token programs an SM at 128 registers, else one), the
-    programs stay resident and loop over their tiles, their ring running on from one tile to the next, and the tiles
-    left over after whole rounds are cut in up to 4 chunks so that they spread over the SMs instead of running alone
-    on a few (gate_up at 64 tokens: 592 tiles = 2 rounds of 264 + 64)."""
-    if split > 1:
-        return P * split, 0, P * split, split, KT // split
-    slots = sms * (2 if BM == 64 and maxnreg is not None and maxnreg <= 128 else 1)
-    if not persist or P <= slots:
-        return P, P, 0, 1, KT
-    r = P % slots
-    st = min(4, slots // r, KT) if r else 1
-    if st < 2:
-        return slots, P, 0, 1, KT
-    ntc = -(-KT // st)
-    st = -(-KT // ntc)
-    return slots, P - r, r * st, st, ntc
