@@ -61,7 +61,9 @@ threads each, fit an SM): ptxas serializes their wgmmas at every register budget
 "insufficient register resources"), as with the shared token tile above. Nor the weights as the wgmma's B operand,
 dequantized into a shared-memory ring by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A
 operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared
-memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps").
+memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident programs looping over the tiles, the
+tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us; spills with LoRA; commit 0160692,
+`python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md).
 """
 import functools
 
