@@ -131,5 +131,6 @@ def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, maxnreg, split, RP)
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(path)], check=True, capture_output=True,
                           text=True).stdout
     ins = parse(sass)
-    assert sum("HGMMA" in t for _, t in ins) == 8 * (2 * S - 1) + RP // 16 and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins)
+    assert (sum("HGMMA" in t for _, t in ins) == 8 * (2 * S - 1) + RP // 16
+            and any("DEPBAR.LE gsb0, 0x7" in t for _, t in ins))
     assert overwrites(ins) == []
