@@ -193,20 +193,37 @@ if gluon is not None:
         return words, mult
 
     @gluon.jit
-    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr):
+    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr, ABL: gl.constexpr):
         # K tile i from ring stage u: 8 async wgmmas, each issued as soon as its block (16 K columns) is dequantized
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase)
         xt = x_bufs.index(u).permute((1, 0))                                                 # (128, BM) tokens^T
+        if ABL >= 2:  # experiment: one wgmma a K tile, of the sum of the 8 blocks (dequantized or raw)
+            qs = gl.convert_layout(_raw(words), DOT, assert_trivial=True)
+            for r in gl.static_range(8):
+                if ABL == 2:
+                    qs = qs + gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)
+                else:
+                    qs = qs + gl.convert_layout(_raw(words), DOT, assert_trivial=True)
+            acc = warpgroup_mma(qs, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
+            acc = warpgroup_mma_wait(7, deps=[acc])
+            return acc
         for r in gl.static_range(8):                                                         # k = 16 r + c
-            q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)      # (64, 16) bf16
+            if ABL == 1:  # experiment: no dequantization, the words as bf16
+                q = gl.convert_layout(_raw(words), DOT, assert_trivial=True)
+            else:
+                q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)  # (64, 16) bf16
             if r == 0:  # the first wgmma of the program zeroes the accumulator
                 acc = warpgroup_mma(q, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
             else:
                 acc = warpgroup_mma(q, xt.slice(16 * r, 16), acc, is_async=True)
             acc = warpgroup_mma_wait(7, deps=[acc])
         return acc
+
+    @gluon.jit
+    def _raw(words):
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
     def _bar():
@@ -239,7 +256,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
                   M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr, ABL: gl.constexpr):
         # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
         # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
         # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
@@ -261,14 +278,14 @@ if gluon is not None:
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM, ABL)
                 if u > 0:                              # tile u-1's wgmmas are done (<= 7 in flight): free its stage
                     mbarrier.arrive(empty[u - 1])
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty[S - 1])
         for u in gl.static_range(S - 1):       # the last NT % S tiles, in stages 0, 1, ..: nothing left to load
             if u < NT - laps * S:
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM, ABL)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if STAMP:
             _stamp(st_ptr, 2)
@@ -364,7 +381,7 @@ if gluon is not None:
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False, ABL: gl.constexpr = 0):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -376,7 +393,7 @@ if gluon is not None:
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
-                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP, ABL)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
                        gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
@@ -419,5 +436,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, ABL=cfg.get("ABL", 0), num_warps=4, maxnreg=cfg["maxnreg"])
     return y
