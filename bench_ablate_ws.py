@@ -1,24 +1,27 @@
 """bench_ablate_ws.py: kernels_ws's GEMM with its consumer's work cut down, to see what limits it (an experiment).
 
-    python bench_ablate_ws.py 64,128,256
+    python bench_ablate_ws.py 64,128,256         # ABL 0..3
+    python bench_ablate_ws.py 64,128 loads       # ABL 3 with the loader's copies cut (LAB)
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
-one wgmma). Same loads, ring and epilogue in all four. Times: CUDA graphs, weights rotated (bench.paired_us).
+one wgmma). Same loads, ring and epilogue in all four. With `loads`: ABL 3, and the loader skips the scales'
+copy (LAB bit 1), the words' (2) or the tokens' (4); the ring and its mbarriers stay. Times: CUDA graphs, weights rotated (bench.paired_us).
 """
 import sys
 
 import torch
 
 import bench
-import kernels
 import kernels_ws
 
 
 def main():
     Ms = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "64,128,256").split(",")]
-    print("| shape | tokens | config | bf16 us | ABL 0 (dispatch) | 1: no dequant | 2: 1 wgmma a tile | 3: neither |")
-    print("|---|---|---|---|---|---|---|---|")
+    loads = len(sys.argv) > 2 and sys.argv[2] == "loads"
+    combos = [(3, lab) for lab in (0, 1, 2, 4, 6, 5, 3)] if loads else [(a, 0) for a in range(4)]
+    print("| shape | tokens | config | bf16 us | " + " | ".join(f"ABL {a} LAB {b}" for a, b in combos) + " |")
+    print("|---" * (4 + len(combos)) + "|")
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
         _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
@@ -26,8 +29,8 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             cfg = kernels_ws.ws_config(M, N, K) or dict(BM=128, maxnreg=None)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
-                                *[[lambda w=w, a=a: kernels_ws.ws_mm(x, w, config=dict(cfg, ABL=a)) for w in wq]
-                                  for a in range(4)])
+                                *[[lambda w=w, a=a, b=b: kernels_ws.ws_mm(x, w, config=dict(cfg, ABL=a, LAB=b))
+                                   for w in wq] for a, b in combos])
             print(f"| {name} | {M} | {cfg} | {t[0]:.1f} | " + " | ".join(f"{v:.1f}" for v in t[1:]) + " |", flush=True)
 
 
