@@ -2,6 +2,7 @@
 
     python bench_ablate_ws.py 64,128,256         # ABL 0..3
     python bench_ablate_ws.py 64,128 loads       # ABL 3 with the loader's copies cut (LAB)
+    python bench_ablate_ws.py 64,128,256 pf      # the dispatch with its words prefetched into L2 PF tiles ahead
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
@@ -18,9 +19,11 @@ import kernels_ws
 
 def main():
     Ms = [int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "64,128,256").split(",")]
-    loads = len(sys.argv) > 2 and sys.argv[2] == "loads"
-    combos = [(3, lab) for lab in (0, 1, 2, 4, 6, 5, 3)] if loads else [(a, 0) for a in range(4)]
-    print("| shape | tokens | config | bf16 us | " + " | ".join(f"ABL {a} LAB {b}" for a, b in combos) + " |")
+    mode = sys.argv[2] if len(sys.argv) > 2 else "abl"
+    combos = ([dict(ABL=3, LAB=lab) for lab in (0, 1, 2, 4, 6, 5, 3)] if mode == "loads" else
+              [dict(PF=pf) for pf in (0, 2, 4, 8, 16)] + [dict(PF=8, S=5)] if mode == "pf" else
+              [dict(ABL=a) for a in range(4)])
+    print("| shape | tokens | config | bf16 us | " + " | ".join(str(c) for c in combos) + " |")
     print("|---" * (4 + len(combos)) + "|")
     for name, (N, K) in bench.SHAPES_7B.items():
         wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
@@ -28,9 +31,14 @@ def main():
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             cfg = kernels_ws.ws_config(M, N, K) or dict(BM=128, maxnreg=None)
+            if mode == "pf":  # the prefetch changes no bits
+                ref = kernels_ws.ws_mm(x, wq[0], config=cfg)
+                for c in combos:
+                    if cfg["BM"] < 256 or c.get("S", 3) <= 3:
+                        assert torch.equal(kernels_ws.ws_mm(x, wq[0], config=dict(cfg, **c)), ref), (name, M, c)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
-                                *[[lambda w=w, a=a, b=b: kernels_ws.ws_mm(x, w, config=dict(cfg, ABL=a, LAB=b))
-                                   for w in wq] for a, b in combos])
+                                *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=dict(cfg, **c)) for w in wq]
+                                  for c in combos if cfg["BM"] < 256 or c.get("S", 3) <= 3])
             print(f"| {name} | {M} | {cfg} | {t[0]:.1f} | " + " | ".join(f"{v:.1f}" for v in t[1:]) + " |", flush=True)
 
 

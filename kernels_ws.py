@@ -357,17 +357,34 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr,
-                LAB: gl.constexpr):
+                LAB: gl.constexpr, PF: gl.constexpr, wp_ptr, sp_ptr):
         # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
+        if PF > 0:  # experiment: the first PF tiles' words and scales into L2 (cp.async.bulk.prefetch)
+            for j in range(PF):
+                if j < NT:
+                    _prefetch(wp_ptr, sp_ptr, t0 + j, NP, n0)
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
+                if PF > 0:
+                    if lap * S + u + PF < NT:
+                        _prefetch(wp_ptr, sp_ptr, t0 + lap * S + u + PF, NP, n0)
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
                       (lap & 1) ^ 1, LAB)
         for u in gl.static_range(S - 1):
             if u < NT - laps * S:
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
                       (laps & 1) ^ 1, LAB)
+
+    @gluon.jit
+    def _prefetch(wp_ptr, sp_ptr, t, NP, n0):
+        # K tile t's words (64 rows x 64 B, contiguous) and scales (64 x 8 B) into L2, from lane 0
+        z = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+        a = (wp_ptr + (t * NP + n0).to(gl.int64) * 16 + z * 0).to(gl.int64, bitcast=True)
+        b = (sp_ptr + (t * NP + n0).to(gl.int64) * 2 + z * 0).to(gl.int64, bitcast=True)
+        gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096;"
+                                  " @p cp.async.bulk.prefetch.L2.global [$2], 512; mov.b32 $0, 0; }", "=r,l,l,r",
+                                  [a, b, z], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase,
@@ -389,7 +406,7 @@ if gluon is not None:
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
                    RP: gl.constexpr = 0, STAMP: gl.constexpr = False, ABL: gl.constexpr = 0,
-                   LAB: gl.constexpr = 0):
+                   LAB: gl.constexpr = 0, PF: gl.constexpr = 0, wp_ptr=None, sp_ptr=None):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -403,7 +420,7 @@ if gluon is not None:
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
                          lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP, ABL)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
-                       gl.program_id(2) * NT, NT, S, LAB)),
+                       gl.program_id(2) * NT, NT, S, LAB, PF, wp_ptr, sp_ptr)),
         ], [1], [40])
 
 
@@ -444,5 +461,6 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, ABL=cfg.get("ABL", 0), LAB=cfg.get("LAB", 0), num_warps=4, maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, ABL=cfg.get("ABL", 0), LAB=cfg.get("LAB", 0), PF=cfg.get("PF", 0), wp_ptr=w.words,
+                     sp_ptr=w.scales, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
