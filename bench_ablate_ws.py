@@ -3,6 +3,7 @@
     python bench_ablate_ws.py 64,128,256         # ABL 0..3
     python bench_ablate_ws.py 64,128 loads       # ABL 3 with the loader's copies cut (LAB)
     python bench_ablate_ws.py 64,128,256 pf      # the dispatch with its words prefetched into L2 PF tiles ahead
+    python bench_ablate_ws.py 64,128,256 wide    # words as 256-byte TMA rows, scales as one 512-byte row (WIDE)
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
@@ -22,6 +23,8 @@ def main():
     mode = sys.argv[2] if len(sys.argv) > 2 else "abl"
     combos = ([dict(ABL=3, LAB=lab) for lab in (0, 1, 2, 4, 6, 5, 3)] if mode == "loads" else
               [dict(PF=pf) for pf in (0, 2, 4, 8, 16)] + [dict(PF=8, S=5)] if mode == "pf" else
+              [dict(WIDE=w, **c) for c in ({}, dict(ABL=3, LAB=4), dict(ABL=3, LAB=5)) for w in (0, 1)]
+              if mode == "wide" else
               [dict(ABL=a) for a in range(4)])
     print("| shape | tokens | config | bf16 us | " + " | ".join(str(c) for c in combos) + " |")
     print("|---" * (4 + len(combos)) + "|")
@@ -31,10 +34,10 @@ def main():
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             cfg = kernels_ws.ws_config(M, N, K) or dict(BM=128, maxnreg=None)
-            if mode == "pf":  # the prefetch changes no bits
+            if mode in ("pf", "wide"):  # the prefetch and the wide rows change no bits
                 ref = kernels_ws.ws_mm(x, wq[0], config=cfg)
                 for c in combos:
-                    if cfg["BM"] < 256 or c.get("S", 3) <= 3:
+                    if (cfg["BM"] < 256 or c.get("S", 3) <= 3) and "ABL" not in c:
                         assert torch.equal(kernels_ws.ws_mm(x, wq[0], config=dict(cfg, **c)), ref), (name, M, c)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
                                 *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=dict(cfg, **c)) for w in wq]
