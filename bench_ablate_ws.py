@@ -4,6 +4,7 @@
     python bench_ablate_ws.py 64,128 loads       # ABL 3 with the loader's copies cut (LAB)
     python bench_ablate_ws.py 64,128,256 pf      # the dispatch with its words prefetched into L2 PF tiles ahead
     python bench_ablate_ws.py 64,128,256 wide    # words as 256-byte TMA rows, scales as one 512-byte row (WIDE)
+    python bench_ablate_ws.py 64 deep            # ABL 3, words (and scales) only, rings of 4 / 8 / 12 stages
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
@@ -25,6 +26,7 @@ def main():
               [dict(PF=pf) for pf in (0, 2, 4, 8, 16)] + [dict(PF=8, S=5)] if mode == "pf" else
               [dict(WIDE=w, **c) for c in ({}, dict(ABL=3, LAB=4), dict(ABL=3, LAB=5)) for w in (0, 1)]
               if mode == "wide" else
+              [dict(ABL=3, LAB=lab, S=st, maxnreg=168) for lab in (5, 4) for st in (4, 8, 12)] if mode == "deep" else
               [dict(ABL=a) for a in range(4)])
     print("| shape | tokens | config | bf16 us | " + " | ".join(str(c) for c in combos) + " |")
     print("|---" * (4 + len(combos)) + "|")

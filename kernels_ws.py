@@ -202,7 +202,7 @@ if gluon is not None:
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase, WIDE)
-        xt = x_bufs.index(u).permute((1, 0))                                                 # (128, BM) tokens^T
+        xt = x_bufs.index(u if ABL < 3 else 0).permute((1, 0))                               # (128, BM) tokens^T
         if ABL >= 2:  # experiment: one wgmma a K tile, of the sum of the 8 blocks (dequantized or raw)
             qs = gl.convert_layout(_raw(words), DOT, assert_trivial=True)
             for r in gl.static_range(8):
@@ -238,15 +238,19 @@ if gluon is not None:
     @gluon.jit
     def _ring(S: gl.constexpr):
         # S mbarriers, each its own allocation (see _consumer)
-        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
+        gl.static_assert(S >= 2 and S <= 12, "the ring has 2 to 12 stages")
         if S == 2:
             bars = (_bar(), _bar())
         elif S == 3:
             bars = (_bar(), _bar(), _bar())
         elif S == 4:
             bars = (_bar(), _bar(), _bar(), _bar())
-        else:
+        elif S == 5:
             bars = (_bar(), _bar(), _bar(), _bar(), _bar())
+        elif S == 8:
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
+        else:
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
         return bars
 
     @gluon.jit
@@ -424,7 +428,7 @@ if gluon is not None:
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
         # 130 us moved back); _consumer stores only the tile's own rows.
         n0, m0 = gl.program_id(0) * 64, gl.maximum(gl.minimum(gl.program_id(1) * BM, MX - BM), 0)
-        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 if ABL >= 3 and (LAB & 4) != 0 else S, BM, 128], x_desc.layout)
         if WIDE:
             w_bufs = gl.allocate_shared_memory(gl.int32, [S, 16, 64], w_desc.layout)
             s_bufs = gl.allocate_shared_memory(gl.int32, [S, 1, 128], s_desc.layout)
@@ -457,8 +461,8 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
     S = cfg.get("S", 3 if BM == 256 else STAGES)
-    if not 2 <= S <= 5:
-        raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
+    if S not in (2, 3, 4, 5, 8, 12):
+        raise ValueError(f"S (ring stages) must be 2 to 5, 8 or 12, got {S}")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
