@@ -5,6 +5,7 @@
     python bench_ablate_ws.py 64,128,256 pf      # the dispatch with its words prefetched into L2 PF tiles ahead
     python bench_ablate_ws.py 64,128,256 wide    # words as 256-byte TMA rows, scales as one 512-byte row (WIDE)
     python bench_ablate_ws.py 64 deep            # ABL 3, words (and scales) only, rings of 4 / 8 / 12 stages
+    python bench_ablate_ws.py 64 stages          # the dispatch with rings of 4 / 5 / 8 / 12 stages (fewer programs an SM)
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
@@ -27,6 +28,7 @@ def main():
               [dict(WIDE=w, **c) for c in ({}, dict(ABL=3, LAB=4), dict(ABL=3, LAB=5)) for w in (0, 1)]
               if mode == "wide" else
               [dict(ABL=3, LAB=lab, S=st, maxnreg=168) for lab in (5, 4) for st in (4, 8, 12)] if mode == "deep" else
+              [dict(S=st) for st in (4, 5, 8, 12)] if mode == "stages" else
               [dict(ABL=a) for a in range(4)])
     print("| shape | tokens | config | bf16 us | " + " | ".join(str(c) for c in combos) + " |")
     print("|---" * (4 + len(combos)) + "|")
@@ -36,14 +38,15 @@ def main():
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             cfg = kernels_ws.ws_config(M, N, K) or dict(BM=128, maxnreg=None)
-            if mode in ("pf", "wide"):  # the prefetch and the wide rows change no bits
+            if mode in ("pf", "wide", "stages"):  # the prefetch and the wide rows change no bits
                 ref = kernels_ws.ws_mm(x, wq[0], config=cfg)
                 for c in combos:
-                    if (cfg["BM"] < 256 or c.get("S", 3) <= 3) and "ABL" not in c:
+                    if (cfg["BM"] < 256 or c.get("S", 3) <= 3) and (cfg["BM"] < 128 or c.get("S", 4) <= 5) and "ABL" not in c:
                         assert torch.equal(kernels_ws.ws_mm(x, wq[0], config=dict(cfg, **c)), ref), (name, M, c)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
                                 *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=dict(cfg, **c)) for w in wq]
-                                  for c in combos if cfg["BM"] < 256 or c.get("S", 3) <= 3])
+                                  for c in combos if (cfg["BM"] < 256 or c.get("S", 3) <= 3)
+                                  and (cfg["BM"] < 128 or c.get("S", 4) <= 5)])
             print(f"| {name} | {M} | {cfg} | {t[0]:.1f} | " + " | ".join(f"{v:.1f}" for v in t[1:]) + " |", flush=True)
 
 
