@@ -5,7 +5,7 @@
     python bench_ablate_ws.py 64,128,256 pf      # the dispatch with its words prefetched into L2 PF tiles ahead
     python bench_ablate_ws.py 64,128,256 wide    # words as 256-byte TMA rows, scales as one 512-byte row (WIDE)
     python bench_ablate_ws.py 64 deep            # ABL 3, words (and scales) only, rings of 4 / 8 / 12 stages
-    python bench_ablate_ws.py 64 stages          # the dispatch with rings of 4 / 5 / 8 / 12 stages (fewer programs an SM)
+    python bench_ablate_ws.py 64 stages          # the dispatch with rings of 4 / 5 / 8 stages (fewer programs an SM)
 
 ABL 0 is the kernel as dispatched; 1 skips the dequantization (the words go to the wgmma as bf16 bits); 2 keeps
 the dequantization but issues one wgmma a K tile (of the 8 blocks' sum) instead of 8; 3 does neither (raw words,
@@ -28,7 +28,7 @@ def main():
               [dict(WIDE=w, **c) for c in ({}, dict(ABL=3, LAB=4), dict(ABL=3, LAB=5)) for w in (0, 1)]
               if mode == "wide" else
               [dict(ABL=3, LAB=lab, S=st, maxnreg=168) for lab in (5, 4) for st in (4, 8, 12)] if mode == "deep" else
-              [dict(S=st) for st in (4, 5, 8, 12)] if mode == "stages" else
+              [dict(S=st) for st in (4, 5, 8)] if mode == "stages" else
               [dict(ABL=a) for a in range(4)])
     print("| shape | tokens | config | bf16 us | " + " | ".join(str(c) for c in combos) + " |")
     print("|---" * (4 + len(combos)) + "|")
