@@ -180,13 +180,10 @@ if gluon is not None:
                                          is_pure=True, pack=2)
 
     @gluon.jit
-    def _fetch(w_buf, s_buf, ready, phase, WIDE: gl.constexpr):
+    def _fetch(w_buf, s_buf, ready, phase):
         # wait for a stage's tile; its words (64, 16) and the 8 block-scale multipliers (64,) of each row
         mbarrier.wait(ready, phase)
-        if WIDE:  # experiment: the words landed as (16, 64), unswizzled
-            words = w_buf._reinterpret(gl.int32, [64, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(_WL)
-        else:
-            words = w_buf.load(_WL)                                                          # (64, 16) int32
+        words = w_buf.load(_WL)                                                              # (64, 16) int32
         sw = s_buf._reinterpret(gl.int32, [64, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).load(_SL)
         sw0, sw1 = gl.split(sw)                                                              # (64,) each
         sw0 = gl.convert_layout(sw0, gl.SliceLayout(1, _WL), assert_trivial=True)
@@ -196,38 +193,20 @@ if gluon is not None:
         return words, mult
 
     @gluon.jit
-    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr, ABL: gl.constexpr,
-              WIDE: gl.constexpr):
+    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr):
         # K tile i from ring stage u: 8 async wgmmas, each issued as soon as its block (16 K columns) is dequantized
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase, WIDE)
-        xt = x_bufs.index(u if ABL < 3 else 0).permute((1, 0))                               # (128, BM) tokens^T
-        if ABL >= 2:  # experiment: one wgmma a K tile, of the sum of the 8 blocks (dequantized or raw)
-            qs = gl.convert_layout(_raw(words), DOT, assert_trivial=True)
-            for r in gl.static_range(8):
-                if ABL == 2:
-                    qs = qs + gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)
-                else:
-                    qs = qs + gl.convert_layout(_raw(words), DOT, assert_trivial=True)
-            acc = warpgroup_mma(qs, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
-            acc = warpgroup_mma_wait(7, deps=[acc])
-            return acc
+        words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase)
+        xt = x_bufs.index(u).permute((1, 0))                                                 # (128, BM) tokens^T
         for r in gl.static_range(8):                                                         # k = 16 r + c
-            if ABL == 1:  # experiment: no dequantization, the words as bf16
-                q = gl.convert_layout(_raw(words), DOT, assert_trivial=True)
-            else:
-                q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)  # (64, 16) bf16
+            q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)      # (64, 16) bf16
             if r == 0:  # the first wgmma of the program zeroes the accumulator
                 acc = warpgroup_mma(q, xt.slice(0, 16), acc, use_acc=i > 0, is_async=True)
             else:
                 acc = warpgroup_mma(q, xt.slice(16 * r, 16), acc, is_async=True)
             acc = warpgroup_mma_wait(7, deps=[acc])
         return acc
-
-    @gluon.jit
-    def _raw(words):
-        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
     def _bar():
@@ -238,19 +217,15 @@ if gluon is not None:
     @gluon.jit
     def _ring(S: gl.constexpr):
         # S mbarriers, each its own allocation (see _consumer)
-        gl.static_assert(S >= 2 and S <= 12, "the ring has 2 to 12 stages")
+        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
         if S == 2:
             bars = (_bar(), _bar())
         elif S == 3:
             bars = (_bar(), _bar(), _bar())
         elif S == 4:
             bars = (_bar(), _bar(), _bar(), _bar())
-        elif S == 5:
-            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
-        elif S == 8:
-            bars = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
         else:
-            bars = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
         return bars
 
     @gluon.jit
@@ -264,8 +239,7 @@ if gluon is not None:
     @gluon.jit
     def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
                   M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr, ABL: gl.constexpr,
-                  WIDE: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
         # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
         # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
         # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
@@ -287,14 +261,14 @@ if gluon is not None:
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM, ABL, WIDE)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM)
                 if u > 0:                              # tile u-1's wgmmas are done (<= 7 in flight): free its stage
                     mbarrier.arrive(empty[u - 1])
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty[S - 1])
         for u in gl.static_range(S - 1):       # the last NT % S tiles, in stages 0, 1, ..: nothing left to load
             if u < NT - laps * S:
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM, ABL, WIDE)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if STAMP:
             _stamp(st_ptr, 2)
@@ -365,82 +339,46 @@ if gluon is not None:
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr,
-                LAB: gl.constexpr, PF: gl.constexpr, wp_ptr, sp_ptr, WIDE: gl.constexpr):
+    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
         # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
-        if PF > 0:  # experiment: the first PF tiles' words and scales into L2 (cp.async.bulk.prefetch)
-            for j in range(PF):
-                if j < NT:
-                    _prefetch(wp_ptr, sp_ptr, t0 + j, NP, n0)
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
-                if PF > 0:
-                    if lap * S + u + PF < NT:
-                        _prefetch(wp_ptr, sp_ptr, t0 + lap * S + u + PF, NP, n0)
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
-                      (lap & 1) ^ 1, LAB, WIDE)
+                      (lap & 1) ^ 1)
         for u in gl.static_range(S - 1):
             if u < NT - laps * S:
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
-                      (laps & 1) ^ 1, LAB, WIDE)
+                      (laps & 1) ^ 1)
 
     @gluon.jit
-    def _prefetch(wp_ptr, sp_ptr, t, NP, n0):
-        # K tile t's words (64 rows x 64 B, contiguous) and scales (64 x 8 B) into L2, from lane 0
-        z = gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
-        a = (wp_ptr + (t * NP + n0).to(gl.int64) * 16 + z * 0).to(gl.int64, bitcast=True)
-        b = (sp_ptr + (t * NP + n0).to(gl.int64) * 2 + z * 0).to(gl.int64, bitcast=True)
-        gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096;"
-                                  " @p cp.async.bulk.prefetch.L2.global [$2], 512; mov.b32 $0, 0; }", "=r,l,l,r",
-                                  [a, b, z], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase,
-              LAB: gl.constexpr, WIDE: gl.constexpr):
+    def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase):
         # K tile t into stage u once the consumer has freed it (phase: passes at once on the first lap)
-        # experiment LAB: bit 1 skips the scales' copy, 2 the words', 4 the tokens'
-        nbytes: gl.constexpr = ((0 if LAB & 2 else w_desc.block_type.nbytes) + (0 if LAB & 1 else s_desc.block_type.nbytes)
-                                + (0 if LAB & 4 else x_desc.block_type.nbytes))
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
         mbarrier.wait(empty[u], phase)
         mbarrier.expect(ready[u], nbytes)
-        if LAB & 2 == 0:
-            if WIDE:
-                tma.async_copy_global_to_shared(w_desc, [(t * NP + n0) // 4, 0], ready[u], w_bufs.index(u))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready[u], w_bufs.index(u))
-        if LAB & 1 == 0:
-            if WIDE:
-                tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 64, 0], ready[u], s_bufs.index(u))
-            else:
-                tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready[u], s_bufs.index(u))
-        if LAB & 4 == 0:
-            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))    # K OOB: zeros
+        tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready[u], w_bufs.index(u))
+        tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready[u], s_bufs.index(u))
+        tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))        # K OOB: zeros
 
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False, ABL: gl.constexpr = 0,
-                   LAB: gl.constexpr = 0, PF: gl.constexpr = 0, wp_ptr=None, sp_ptr=None,
-                   WIDE: gl.constexpr = False):
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
         # 130 us moved back); _consumer stores only the tile's own rows.
         n0, m0 = gl.program_id(0) * 64, gl.maximum(gl.minimum(gl.program_id(1) * BM, MX - BM), 0)
-        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [2 if ABL >= 3 and (LAB & 4) != 0 else S, BM, 128], x_desc.layout)
-        if WIDE:
-            w_bufs = gl.allocate_shared_memory(gl.int32, [S, 16, 64], w_desc.layout)
-            s_bufs = gl.allocate_shared_memory(gl.int32, [S, 1, 128], s_desc.layout)
-        else:
-            w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
-            s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
+        w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
         gl.warp_specialize([
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
-                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP, ABL, WIDE)),
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
-                       gl.program_id(2) * NT, NT, S, LAB, PF, wp_ptr, sp_ptr, WIDE)),
+                       gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
@@ -461,17 +399,13 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
     S = cfg.get("S", 3 if BM == 256 else STAGES)
-    if S not in (2, 3, 4, 5, 8, 12):
-        raise ValueError(f"S (ring stages) must be 2 to 5, 8 or 12, got {S}")
+    if not 2 <= S <= 5:
+        raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
-    if cfg.get("WIDE"):  # experiment: 256-byte rows of words, one 512-byte row of scales
-        w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP // 4, 64), [16, 64], sl)
-        s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 64, 128), [1, 128], sl)
-    else:
-        w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16], wl)
-        s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4], sl)
+    w_desc = TensorDescriptor.from_tensor(w.words.view(KT * NP, 16), [BN, 16], wl)
+    s_desc = TensorDescriptor.from_tensor(w.scales.view(KT * NP // 2, 4), [BN // 2, 4], sl)
     if M < BM and -(-w.n // BN) * split > 132:
         # fewer tokens than a tile and more programs than SMs: pad the tokens (see _ws_kernel; gate_up at 96 tokens:
         # 96 -> 75 us); with few programs a box past the rows costs nothing measurable and padding 3 us
@@ -485,6 +419,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, ABL=cfg.get("ABL", 0), LAB=cfg.get("LAB", 0), PF=cfg.get("PF", 0), WIDE=bool(cfg.get("WIDE")), wp_ptr=w.words,
-                     sp_ptr=w.scales, num_warps=4, maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
