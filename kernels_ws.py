@@ -40,7 +40,8 @@ setmaxnreg each group gets 232 registers and keeps 7 wgmmas in flight, yet the b
 128 tokens on every shape: qkv at 64 tokens 15.3 vs 12.1 us, gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172,
 `python bench_ws128.py 64,128`), a 128-row weight tile in one warp group (two wgmmas per block, half the token traffic
 per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's dequantization, not the
-token tiles' L2 traffic), a deeper ring (5-10 stages: no faster than 4 at 64-128 tokens), two 128-token programs an SM
+token tiles' L2 traffic), a deeper ring at 64 tokens (5 or 8 stages: one program an SM instead of two, gate_up 55.1 /
+54.8 vs 46.8 us; qkv, one an SM anyway, 12.1 / 12.3 vs 12.0; 128-token tiles do take 5), two 128-token programs an SM
 (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token tiles; with 3 stages, one an SM
 again, 30.0 us), a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's
 programs adds the parked partials): slower where it was meant to help (qkv at 64 tokens over 132 programs 16.5 us, one
@@ -62,8 +63,8 @@ threads each, fit an SM): ptxas serializes their wgmmas at every register budget
 dequantized into a shared-memory ring by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A
 operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared
 memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident programs looping over the tiles, the
-tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us; spills with LoRA; commit 0160692,
-`python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md).
+tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us; spills with LoRA; commit 0160692, `python
+bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md).
 """
 import functools
 
@@ -82,7 +83,7 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
     gluon = None
 
 BN = 64          # weight rows per program: one warp group's wgmma M
-STAGES = 4       # shared-memory ring depth (4 x 36.5 KB at 128 tokens; 3 x 68.5 KB at 256 tokens)
+STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (two programs an SM), 5 x 36.5 KB, 3 x 68.5 KB
 T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
 
 
@@ -386,7 +387,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
           stamps: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
     config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
-    S=ring stages, 2 to 5 (default STAGES, 3 at BM = 256)), default ws_config's (or BM = 128). stamps: an int64 tensor
+    S=ring stages, 2 to 5 (default STAGES[BM])), default ws_config's (or BM = 128). stamps: an int64 tensor
     of 4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
     stored (a separate build; the bits of y are the same). lora=(xa, B): also add xa @ B^T in the epilogue, as
     kernels.nvfp4_mm does (xa (M, R), contiguous B (N, R), R <= 128)."""
@@ -398,7 +399,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"BM (tokens per program) must be 64, 128 or 256, got {BM}")
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
-    S = cfg.get("S", 3 if BM == 256 else STAGES)
+    S = cfg.get("S", STAGES[BM])
     if not 2 <= S <= 5:
         raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
     NT = KT // split                                                                     # K tiles per program
