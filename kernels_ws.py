@@ -64,7 +64,10 @@ dequantized into a shared-memory ring by 4 warps of their own for a warp group t
 operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared
 memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident programs looping over the tiles, the
 tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us; spills with LoRA; commit 0160692, `python
-bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md).
+bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md). Nor prefetching each
+program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64 tokens 43.5 -> 45.3-53.6 us), nor
+fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in KERNELS.md's last section, which also shows that at 64
+tokens the reads through the ring take 76-90% of the time).
 """
 import functools
 
