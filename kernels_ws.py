@@ -72,7 +72,6 @@ tokens the reads through the ring take 76-90% of the time).
 import functools
 
 import torch
-import triton
 
 import kernels
 
