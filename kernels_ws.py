@@ -279,7 +279,7 @@ if gluon is not None:
         out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
         if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
             out = _lora(out, x_bufs.index(1), xa_ptr, lb_ptr, M, N, R, n0, m0, gl.program_id(2) == 0, BM, RP)
-        if BM != 128:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
+        if BM == 256:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
             # holds the tile transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from
             # the wgmma layout, 32-byte reads in the layout of the global stores
             buf = x_bufs.index(0)._reinterpret(gl.float32, [BM, 64], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
