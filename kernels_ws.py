@@ -85,7 +85,7 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
     gluon = None
 
 BN = 64          # weight rows per program: one warp group's wgmma M
-STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (two programs an SM), 5 x 36.5 KB, 3 x 68.5 KB
+STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (5 where ws_config says), 5 x 36.5, 3 x 68.5
 T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
 
 
@@ -113,13 +113,15 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
-      * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an
-        SM (o at 64 tokens: 1.13x of bf16, the Triton GEMM 1.01x; at 40: 1.13x vs 1.04x), else unsplit (qkv 1.27x
-        vs 1.05x at 64, 1.21x vs 1.09x at 40; gate_up, 592 programs, 2.43x vs 2.30x at 64); a long K (down) split in
-        up to 4 while that makes at most two programs an SM (2.09x vs 1.87x at 64). Below 64 tokens only where the
-        programs fit the SMs: with more, ws_mm pads the tokens to 64 rows, which costs 3-4 us (down at 56 tokens
-        31.1 vs 29.8 us for the Triton GEMM, gate_up 46.8 vs 47.6). At 24 tokens the Triton GEMM's 32-token tiles
-        win everywhere (qkv 10.6 vs 13.5 us);
+      * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an SM (o at
+        64 tokens: 1.13x of bf16, the Triton GEMM 1.01x; at 40: 1.13x vs 1.04x), else unsplit (qkv 1.27x vs 1.05x at 64,
+        1.21x vs 1.09x at 40; gate_up, 592 programs, 2.43x vs 2.30x at 64); a long K (down) split in up to 4 while that
+        makes at most two programs an SM (2.09x vs 1.87x at 64). Two programs an SM take a 5-stage ring (gate_up at 64
+        tokens 43.5 vs 44.8 us with 4, 46.1 vs 47.8 with LoRA; down 27.1 vs 27.3; one program an SM is no faster with 5:
+        qkv 12.1 vs 12.0; commit 0e6c9ae, `python bench_epi.py`). Below 64 tokens only where the programs fit the SMs:
+        with more, ws_mm pads the tokens to 64 rows, which costs 3-4 us (down at 56 tokens 31.1 vs 29.8 us for the
+        Triton GEMM, gate_up 46.8 vs 47.6). At 24 tokens the Triton GEMM's 32-token tiles win everywhere (qkv 10.6 vs
+        13.5 us);
       * 65..256 tokens: 128-token tiles while they fit one wave; with room for twice as many programs, a long K
         (down) splits in 2 (1.47x vs 1.32x at 128 tokens) and a short one (o) takes 64-token tiles (0.95x vs 0.81x).
         Past one wave, 64-token tiles where they leave less padding (129..192 tokens: gate_up 0.97x vs 0.89x at 192)
@@ -138,7 +140,10 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
             split = 2 if 2 * p64 <= sms and KT % 2 == 0 else 1
         if split is None or (M < 64 and split * p64 > sms):     # the tokens would be padded to 64 rows (ws_mm)
             return None
-        return dict(c64, SPLIT=split) if split > 1 else c64
+        cfg = dict(c64, SPLIT=split) if split > 1 else dict(c64)
+        if split * p64 > sms:                          # two programs an SM: 5 stages of 20.5 KB still fit
+            cfg["S"] = 5
+        return cfg
     if M > 256:
         return c256 if wide else c128
     if 2 * p128 <= sms:                                           # room for twice the programs
@@ -279,9 +284,10 @@ if gluon is not None:
         out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
         if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
             out = _lora(out, x_bufs.index(1), xa_ptr, lb_ptr, M, N, R, n0, m0, gl.program_id(2) == 0, BM, RP)
-        if BM == 256:  # no room for a separate 64 KB conversion buffer: token stage 0, whose reads are all done,
-            # holds the tile transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from
-            # the wgmma layout, 32-byte reads in the layout of the global stores
+        if BM != 128:  # no room for a separate conversion buffer (64 KB at 256 tokens; at 64 tokens its 16 KB would
+            # keep two 5-stage programs off an SM): token stage 0, whose reads are all done, holds the tile
+            # transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from the wgmma
+            # layout, 32-byte reads in the layout of the global stores
             buf = x_bufs.index(0)._reinterpret(gl.float32, [BM, 64], gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
             buf.store(gl.permute(out, [1, 0]))
             gl.thread_barrier()

@@ -218,21 +218,24 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
 
 def test_ws_config_is_launchable():
     """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 33..1023 tokens, is a
-    config ws_mm runs: a 64-, 128- or 256-token tile with its register budget and a K split dividing the K tiles."""
+    config ws_mm runs: a 64-, 128- or 256-token tile with its register budget and a K split dividing the K tiles,
+    and a ring deeper than the default (5 stages) only for 64-token tiles, two programs an SM."""
     import kernels_ws
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 5120), (55296, 5120),
               (5120, 27648), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 11008), (2560, 2048)]
     seen = set()
     for N, Kd in shapes:
-        for M in range(K.WS_MIN_M + 1, K.LARGE_M, 7):
+        for M in [*range(K.WS_MIN_M + 1, K.LARGE_M, 7), 64]:
             cfg = kernels_ws.ws_config(M, N, Kd)
             if cfg is None:
                 continue
-            seen.add((cfg["BM"], cfg.get("SPLIT", 1)))
-            assert set(cfg) <= {"BM", "maxnreg", "SPLIT"}
+            seen.add((cfg["BM"], cfg.get("SPLIT", 1), cfg.get("S")))
+            assert set(cfg) <= {"BM", "maxnreg", "SPLIT", "S"}
+            assert cfg.get("S") in (None, 5) and (cfg.get("S") is None or cfg["BM"] == 64), (M, N, Kd, cfg)
             assert cfg["maxnreg"] == {64: 128, 128: None, 256: None}[cfg["BM"]], (M, N, Kd, cfg)
             assert -(-Kd // 128) % cfg.get("SPLIT", 1) == 0, (M, N, Kd, cfg)
-    assert {(64, 1), (64, 2), (128, 1), (128, 2), (256, 1)} <= seen                    # every branch is taken somewhere
+    assert {(64, 1, None), (64, 2, None), (64, 1, 5), (64, 4, 5), (128, 1, None), (128, 2, None),
+            (256, 1, None)} <= seen                                                    # every branch is taken somewhere
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -119,7 +119,8 @@ def test_scan_catches_an_overwrite():
 @pytest.mark.skipif(not shutil.which("cuobjdump", path=BIN), reason="Triton's CUDA binaries are not installed")
 @pytest.mark.parametrize("BM,S,maxnreg,split,RP", [(128, 4, None, 1, 0), (64, 4, 128, 1, 0), (64, 4, 128, 2, 0),
                                                    (128, 3, None, 1, 0), (128, 4, 168, 1, 0), (256, 3, None, 1, 0),
-                                                   (128, 5, None, 1, 0), (64, 4, 128, 2, 32), (256, 3, None, 1, 128)])
+                                                   (128, 5, None, 1, 0), (64, 4, 128, 2, 32), (256, 3, None, 1, 128),
+                                                   (64, 5, 128, 1, 32), (64, 5, 128, 4, 0)])
 def test_ws_no_inflight_operand_overwritten(tmp_path, BM, S, maxnreg, split, RP):
     """No instruction overwrites an in-flight wgmma's registers, in the configurations the dispatch uses and in the
     two (3 stages; 168 registers) that failed every run before, while the wgmmas do stay asynchronous (up to 7 in
