@@ -40,34 +40,35 @@ setmaxnreg each group gets 232 registers and keeps 7 wgmmas in flight, yet the b
 128 tokens on every shape: qkv at 64 tokens 15.3 vs 12.1 us, gate_up 53.8 vs 44.8, down 30.2 vs 26.6; commit 647f172,
 `python bench_ws128.py 64,128`), a 128-row weight tile in one warp group (two wgmmas per block, half the token traffic
 per weight: qkv at 64 tokens 20.1 vs 13.2 us, gate_up 74 vs 53 us: the limit is the warp group's dequantization, not the
-token tiles' L2 traffic), a deeper ring at 64 tokens (5 or 8 stages: one program an SM instead of two, gate_up 55.1 /
-54.8 vs 46.8 us; qkv, one an SM anyway, 12.1 / 12.3 vs 12.0; 128-token tiles do take 5), two 128-token programs an SM
-(168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token tiles; with 3 stages, one an SM
-again, 30.0 us), a stream-K schedule (P programs share out every K tile of every output tile, the last of a tile's
-programs adds the parked partials): slower where it was meant to help (qkv at 64 tokens over 132 programs 16.5 us, one
-program per weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster only at 224-384 tokens, and its per-tile
-bookkeeping made every other call 8-13% slower, so it was dropped. Tried again with 128- and 256-token tiles (each
-program at least half a tile's K, its ring carrying on from one tile to the next), it was 1.15-1.65x slower than the
-best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2 vs 22.1 us, o at 512 tokens 37.8 vs 22.9 us).
-Nor a K split of only the last, partial wave's tiles (programs past the whole waves take 1/2-1/4 of a tile's K): no
-faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256 tokens 119.2 vs 114.8 us; down at 768 tokens 188
-vs 207 us), as programs start whenever an SM frees up rather than in waves, and a lone program runs faster than two an
-SM (0.39 vs 0.55 us a K tile). Two more, timed against the dispatch in one run each and dropped: 16- and 32-token tiles
-for 1-32 tokens (slower than the Triton GEMM in all 12 cases but down at 32 tokens, 23.4 vs 23.7 us; gate_up at 1 token
-44.1 vs 33.8 us, with 3-4 programs an SM); more 64-token programs an SM through fewer registers (96-104) and shallower
-rings (2-3 stages): no faster than 2 programs of 4 stages in any of the 14 cases at 48-128 tokens, tied once (gate_up at
-64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4), so the ring's depth matters more than the programs an SM.
-And one compiled only: two consumer warp groups of 64 rows each sharing one token ring (so that two such programs, 288
-threads each, fit an SM): ptxas serializes their wgmmas at every register budget from 96 to 168 (advisory C7512,
-"insufficient register resources"), as with the shared token tile above. Nor the weights as the wgmma's B operand,
-dequantized into a shared-memory ring by 4 warps of their own for a warp group that only issues wgmmas (tokens as the A
-operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as each weight then crosses shared
-memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident programs looping over the tiles, the
-tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us; spills with LoRA; commit 0160692, `python
-bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in KERNELS.md). Nor prefetching each
-program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64 tokens 43.5 -> 45.3-53.6 us), nor
-fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in KERNELS.md's last section, which also shows that at 64
-tokens the reads through the ring take 76-90% of the time).
+token tiles' L2 traffic), a deeper ring at 64 tokens while the epilogue had its own 16 KB conversion buffer (5 or 8
+stages: one program an SM instead of two, gate_up 55.1 / 54.8 vs 46.8 us; qkv, one an SM anyway, 12.1 / 12.3 vs 12.0;
+with the conversion in a token stage, two programs an SM now take 5, see ws_config, and 128-token tiles take 5), two
+128-token programs an SM (168 registers and 2 stages each: qkv at 256 tokens 44.3 vs 21.4 us for the 256-token tiles;
+with 3 stages, one an SM again, 30.0 us), a stream-K schedule (P programs share out every K tile of every output tile,
+the last of a tile's programs adds the parked partials): slower where it was meant to help (qkv at 64 tokens over 132
+programs 16.5 us, one program per weight tile 14.6 us, with 47 vs 28 MB through L2), 5-10% faster only at 224-384
+tokens, and its per-tile bookkeeping made every other call 8-13% slower, so it was dropped. Tried again with 128- and
+256-token tiles (each program at least half a tile's K, its ring carrying on from one tile to the next), it was
+1.15-1.65x slower than the best plain schedule in all 10 cases it applies to (qkv at 256 tokens 29.2 vs 22.1 us, o at
+512 tokens 37.8 vs 22.9 us). Nor a K split of only the last, partial wave's tiles (programs past the whole waves take
+1/2-1/4 of a tile's K): no faster in 13 of 14 cases (gate_up at 64 tokens 49.1 vs 48.5 us, at 256 tokens 119.2 vs 114.8
+us; down at 768 tokens 188 vs 207 us), as programs start whenever an SM frees up rather than in waves, and a lone
+program runs faster than two an SM (0.39 vs 0.55 us a K tile). Two more, timed against the dispatch in one run each and
+dropped: 16- and 32-token tiles for 1-32 tokens (slower than the Triton GEMM in all 12 cases but down at 32 tokens, 23.4
+vs 23.7 us; gate_up at 1 token 44.1 vs 33.8 us, with 3-4 programs an SM); more 64-token programs an SM through fewer
+registers (96-104) and shallower rings (2-3 stages): no faster than 2 programs of 4 stages in any of the 14 cases at
+48-128 tokens, tied once (gate_up at 64 tokens 74.7 us with 2 stages, 55.6 with 3, 45.7 with 4), so the ring's depth
+matters more than the programs an SM. And one compiled only: two consumer warp groups of 64 rows each sharing one token
+ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes their wgmmas at every register budget
+from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above. Nor the weights
+as the wgmma's B operand, dequantized into a shared-memory ring by 4 warps of their own for a warp group that only
+issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as
+each weight then crosses shared memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident
+programs looping over the tiles, the tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us;
+spills with LoRA; commit 0160692, `python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in
+KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
+tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in KERNELS.md's last
+section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time).
 """
 import functools
 

@@ -127,7 +127,8 @@ def test_gemm_k_sliced(device, M, N, Kd, BM, BN, KS):
 def test_ws_gemm_matches_reference(M, N, Kd):
     """kernels_ws (warp-specialized, Hopper) against fp32: K of 1 to 28 tiles (16 = the smallest, zero-filled by TMA;
     no whole lap of the ring, whole laps only, laps and 1-3 tiles after them), partial token and weight-row tiles,
-    bias, each token tile and register budget, K split 2 to 7 ways; the same bits when repeated, and as kernels.py's Triton GEMM with the same tile and split."""
+    bias, each token tile and register budget, K split 2 to 7 ways; the same bits when repeated, and as kernels.py's
+    Triton GEMM with the same tile and split."""
     import kernels_ws
     w, _ = make_weight(N, Kd, seed=M + N + Kd, device="cuda")
     x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
