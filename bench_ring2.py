@@ -29,7 +29,6 @@ def main():
             combos = [c for c in COMBOS[cfg["BM"]]]
             ref = kernels_ws.ws_mm(x, wq[0], config=cfg)
             for c in combos:
-                print(f"  checking {name} {M} {c}", file=sys.stderr, flush=True)
                 assert torch.equal(kernels_ws.ws_mm(x, wq[0], config=dict(cfg, **c)), ref), (name, M, c)
             t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
                                 [lambda w=w: kernels_ws.ws_mm(x, w, config=cfg) for w in wq],
