@@ -280,8 +280,6 @@ if gluon is not None:
             if u < NT - laps * S:
                 acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, xready, empty, laps * S + u, u, laps & 1, u % XS,
                             (laps * (S // XS) + u // XS) & 1, BM, SX)
-                if SX > 0 and u > 0:                   # the token loader may still wait for this stage
-                    mbarrier.arrive(xempty[(u - 1) % XS])
         acc = warpgroup_mma_wait(0, deps=[acc])
         if STAMP:
             _stamp(st_ptr, 2)
