@@ -202,17 +202,12 @@ if gluon is not None:
         return words, mult
 
     @gluon.jit
-    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, xready, wempty, i, u: gl.constexpr, phase, v: gl.constexpr, xphase,
-              BM: gl.constexpr, SX: gl.constexpr):
-        # K tile i from word stage u and token stage v: 8 async wgmmas, each issued as soon as its block (16 K
-        # columns) is dequantized. With a ring of their own (SX > 0) the words' stage is freed once in registers.
+    def _tile(acc, w_bufs, s_bufs, x_bufs, ready, i, u: gl.constexpr, phase, BM: gl.constexpr):
+        # K tile i from ring stage u: 8 async wgmmas, each issued as soon as its block (16 K columns) is dequantized
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         words, mult = _fetch(w_bufs.index(u), s_bufs.index(u), ready[u], phase)
-        if SX > 0:
-            mbarrier.arrive(wempty[u])
-            mbarrier.wait(xready[v], xphase)
-        xt = x_bufs.index(v).permute((1, 0))                                                 # (128, BM) tokens^T
+        xt = x_bufs.index(u).permute((1, 0))                                                 # (128, BM) tokens^T
         for r in gl.static_range(8):                                                         # k = 16 r + c
             q = gl.convert_layout(_block(words, mult[r], r), DOT, assert_trivial=True)      # (64, 16) bf16
             if r == 0:  # the first wgmma of the program zeroes the accumulator
@@ -231,9 +226,15 @@ if gluon is not None:
     @gluon.jit
     def _ring(S: gl.constexpr):
         # S mbarriers, each its own allocation (see _consumer)
-        bars = (_bar(),)
-        for _ in gl.static_range(S - 1):
-            bars = bars + (_bar(),)
+        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
+        if S == 2:
+            bars = (_bar(), _bar())
+        elif S == 3:
+            bars = (_bar(), _bar(), _bar())
+        elif S == 4:
+            bars = (_bar(), _bar(), _bar(), _bar())
+        else:
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
         return bars
 
     @gluon.jit
@@ -245,9 +246,9 @@ if gluon is not None:
         gl.store(st_ptr + p * 4 + j + z * 0, ns, mask=z == 0)
 
     @gluon.jit
-    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, xready, xempty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr,
-                  xa_ptr, lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SX: gl.constexpr,
-                  SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
+    def _consumer(w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr,
+                  M, N, n0, m0, NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, RP: gl.constexpr, STAMP: gl.constexpr):
         # One lap of the ring (S K tiles, stage u = 0 .. S - 1 known at compile time) per loop iteration, up to 7
         # wgmmas in flight. A wgmma reads its A operand (the weights) from registers while in flight. ptxas keeps
         # those registers from being reused until the wait that completes it, but not across a loop back-edge: with
@@ -266,20 +267,17 @@ if gluon is not None:
             _stamp(st_ptr, 0)
             mbarrier.wait(ready[0], 0)
             _stamp(st_ptr, 1)
-        XS: gl.constexpr = SX if SX > 0 else S         # token stages; a lap of S tiles is S // XS laps of theirs
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, xready, empty, lap * S + u, u, lap & 1, u % XS,
-                            (lap * (S // XS) + u // XS) & 1, BM, SX)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, lap * S + u, u, lap & 1, BM)
                 if u > 0:                              # tile u-1's wgmmas are done (<= 7 in flight): free its stage
-                    mbarrier.arrive(xempty[(u - 1) % XS])
+                    mbarrier.arrive(empty[u - 1])
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(xempty[(S - 1) % XS])
+            mbarrier.arrive(empty[S - 1])
         for u in gl.static_range(S - 1):       # the last NT % S tiles, in stages 0, 1, ..: nothing left to load
             if u < NT - laps * S:
-                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, xready, empty, laps * S + u, u, laps & 1, u % XS,
-                            (laps * (S // XS) + u // XS) & 1, BM, SX)
+                acc = _tile(acc, w_bufs, s_bufs, x_bufs, ready, laps * S + u, u, laps & 1, BM)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if STAMP:
             _stamp(st_ptr, 2)
@@ -364,42 +362,6 @@ if gluon is not None:
                       (laps & 1) ^ 1)
 
     @gluon.jit
-    def _wloader(w_desc, s_desc, w_bufs, s_bufs, ready, empty, n0, NP, t0, NT, S: gl.constexpr):
-        # words and scales of K tiles t0 .. t0 + NT - 1 into a ring of their own (S stages)
-        laps = NT // S
-        for lap in range(laps):
-            for u in gl.static_range(S):
-                _wload(w_desc, s_desc, w_bufs, s_bufs, ready, empty, n0, NP, t0 + lap * S + u, u, (lap & 1) ^ 1)
-        for u in gl.static_range(S - 1):
-            if u < NT - laps * S:
-                _wload(w_desc, s_desc, w_bufs, s_bufs, ready, empty, n0, NP, t0 + laps * S + u, u, (laps & 1) ^ 1)
-
-    @gluon.jit
-    def _wload(w_desc, s_desc, w_bufs, s_bufs, ready, empty, n0, NP, t, u: gl.constexpr, phase):
-        nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes
-        mbarrier.wait(empty[u], phase)
-        mbarrier.expect(ready[u], nbytes)
-        tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready[u], w_bufs.index(u))
-        tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready[u], s_bufs.index(u))
-
-    @gluon.jit
-    def _xloader(x_desc, x_bufs, ready, empty, m0, t0, NT, S: gl.constexpr):
-        # token tiles of K tiles t0 .. t0 + NT - 1 into a ring of their own (S stages)
-        laps = NT // S
-        for lap in range(laps):
-            for u in gl.static_range(S):
-                _xload(x_desc, x_bufs, ready, empty, m0, t0 + lap * S + u, u, (lap & 1) ^ 1)
-        for u in gl.static_range(S - 1):
-            if u < NT - laps * S:
-                _xload(x_desc, x_bufs, ready, empty, m0, t0 + laps * S + u, u, (laps & 1) ^ 1)
-
-    @gluon.jit
-    def _xload(x_desc, x_bufs, ready, empty, m0, t, u: gl.constexpr, phase):
-        mbarrier.wait(empty[u], phase)
-        mbarrier.expect(ready[u], x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))        # K OOB: zeros
-
-    @gluon.jit
     def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase):
         # K tile t into stage u once the consumer has freed it (phase: passes at once on the first lap)
         nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
@@ -412,33 +374,22 @@ if gluon is not None:
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False, SX: gl.constexpr = 0):
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
         # 130 us moved back); _consumer stores only the tile's own rows.
         n0, m0 = gl.program_id(0) * 64, gl.maximum(gl.minimum(gl.program_id(1) * BM, MX - BM), 0)
-        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [SX if SX > 0 else S, BM, 128], x_desc.layout)  # 1 KB aligned
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BM, 128], x_desc.layout)        # first: 1 KB aligned
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 64, 16], w_desc.layout)
         s_bufs = gl.allocate_shared_memory(gl.int32, [S, 32, 4], s_desc.layout)              # (64, 2) as (32, 4)
         ready, empty = _ring(S), _ring(S)                                                   # (S,) mbarriers each
-        if SX > 0:  # tokens in a ring of their own, SX stages, with a loader warp of its own
-            xready, xempty = _ring(SX), _ring(SX)
-            gl.warp_specialize([
-                (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, xready, xempty, gs_ptr, b_ptr, y_ptr, ws_ptr,
-                             cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SX, SPLIT,
-                             HAS_BIAS, RP, STAMP)),
-                (_wloader, (w_desc, s_desc, w_bufs, s_bufs, ready, empty, n0, NP, gl.program_id(2) * NT, NT, S)),
-                (_xloader, (x_desc, x_bufs, xready, xempty, m0, gl.program_id(2) * NT, NT, SX)),
-            ], [1, 1], [40, 40])
-        else:
-            gl.warp_specialize([
-                (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr,
-                             cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SX, SPLIT,
-                             HAS_BIAS, RP, STAMP)),
-                (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
-                           gl.program_id(2) * NT, NT, S)),
-            ], [1], [40])
+        gl.warp_specialize([
+            (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
+                         lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
+            (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
+                       gl.program_id(2) * NT, NT, S)),
+        ], [1], [40])
 
 
 def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
@@ -457,9 +408,9 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
         raise ValueError(f"BM (tokens per program) must be 64, 128 or 256, got {BM}")
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
-    S, SX = cfg.get("S", STAGES[BM]), cfg.get("SX", 0)
-    if not 2 <= S <= (16 if SX else 5) or (SX and (SX < 2 or S % SX)):
-        raise ValueError(f"S (ring stages) must be 2 to 5, or with SX token stages (>= 2) a multiple of SX; got {S}, {SX}")
+    S = cfg.get("S", STAGES[BM])
+    if not 2 <= S <= 5:
+        raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
@@ -478,5 +429,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, SX=SX, num_warps=4, maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y

@@ -87,7 +87,7 @@ def overwrites(ins: list[tuple[int, str]]) -> list[str]:
     return bad
 
 
-def compiled(BM: int, S: int, maxnreg, split: int = 1, RP: int = 0, SX: int = 0):
+def compiled(BM: int, S: int, maxnreg, split: int = 1, RP: int = 0):
     """The kernel's machine code for one configuration, compiled for sm_90a without a GPU."""
     wl = gl.NVMMASharedLayout.get_default_for([W.BN, 16], gl.int32)
     sl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -96,9 +96,9 @@ def compiled(BM: int, S: int, maxnreg, split: int = 1, RP: int = 0, SX: int = 0)
            "x_desc": f"tensordesc<bf16[{BM}, 128],{xl!r}>", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "st_ptr": "*i32", "xa_ptr": "*bf16", "lb_ptr": "*bf16", "M": "i32",
            "MX": "i32", "N": "i32", "NP": "i32", "NT": "i32", "stride_ym": "i32", "R": "i32", "BM": "constexpr",
-           "S": "constexpr", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "RP": "constexpr", "STAMP": "constexpr", "SX": "constexpr"}
+           "S": "constexpr", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "RP": "constexpr"}
     _restore_language()
-    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, SPLIT=split, HAS_BIAS=True, RP=RP, STAMP=False, SX=SX))
+    src = GluonASTSource(W._ws_kernel, sig, dict(BM=BM, S=S, SPLIT=split, HAS_BIAS=True, RP=RP))
     opts = dict(num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
 
