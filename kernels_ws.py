@@ -226,9 +226,15 @@ if gluon is not None:
     @gluon.jit
     def _ring(S: gl.constexpr):
         # S mbarriers, each its own allocation (see _consumer)
-        bars = (_bar(),)
-        for _ in gl.static_range(S - 1):
-            bars = bars + (_bar(),)
+        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
+        if S == 2:
+            bars = (_bar(), _bar())
+        elif S == 3:
+            bars = (_bar(), _bar(), _bar())
+        elif S == 4:
+            bars = (_bar(), _bar(), _bar(), _bar())
+        else:
+            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
         return bars
 
     @gluon.jit
@@ -279,7 +285,7 @@ if gluon is not None:
         out = acc * (2.0 ** 119 / gl.load(gs_ptr))                                           # (64, BM) fp32
         if RP > 0:  # the LoRA term, once: in the only program's tile or in split 0's partial
             out = _lora(out, x_bufs.index(1), xa_ptr, lb_ptr, M, N, R, n0, m0, gl.program_id(2) == 0, BM, RP)
-        if BM != 128 or S > 5:  # no room for a separate conversion buffer (64 KB at 256 tokens; at 64 tokens its 16 KB would
+        if BM != 128:  # no room for a separate conversion buffer (64 KB at 256 tokens; at 64 tokens its 16 KB would
             # keep two 5-stage programs off an SM): token stage 0, whose reads are all done, holds the tile
             # transposed (BM, 64), 8-float groups swizzled by token pair: conflict-free writes from the wgmma
             # layout, 32-byte reads in the layout of the global stores
@@ -403,8 +409,8 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     if KT % split:
         raise ValueError(f"SPLIT={split} must divide the {KT} K tiles of 128")
     S = cfg.get("S", STAGES[BM])
-    if not 2 <= S <= (6 if BM == 128 else 5):
-        raise ValueError(f"S (ring stages) must be 2 to 5 (6 with 128-token tiles), got {S}")
+    if not 2 <= S <= 5:
+        raise ValueError(f"S (ring stages) must be 2 to 5, got {S}")
     NT = KT // split                                                                     # K tiles per program
     # TMA descriptors: words (KT * NP, 16), scales (KT * NP / 2, 4) (16-byte rows), tokens (M, K), 128-byte swizzle
     wl, sl, xl = _smem_layouts(BM)
