@@ -226,15 +226,9 @@ if gluon is not None:
     @gluon.jit
     def _ring(S: gl.constexpr):
         # S mbarriers, each its own allocation (see _consumer)
-        gl.static_assert(S >= 2 and S <= 5, "the ring has 2 to 5 stages")
-        if S == 2:
-            bars = (_bar(), _bar())
-        elif S == 3:
-            bars = (_bar(), _bar(), _bar())
-        elif S == 4:
-            bars = (_bar(), _bar(), _bar(), _bar())
-        else:
-            bars = (_bar(), _bar(), _bar(), _bar(), _bar())
+        bars = (_bar(),)
+        for _ in gl.static_range(S - 1):
+            bars = bars + (_bar(),)
         return bars
 
     @gluon.jit
