@@ -345,37 +345,32 @@ if gluon is not None:
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], out.to(y_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr,
-                XF: gl.constexpr):
+    def _loader(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0, NT, S: gl.constexpr):
         # K tiles t0 .. t0 + NT - 1, the j-th into stage j % S (as _consumer: whole laps, then the rest)
         laps = NT // S
         for lap in range(laps):
             for u in gl.static_range(S):
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + lap * S + u, u,
-                      (lap & 1) ^ 1, XF)
+                      (lap & 1) ^ 1)
         for u in gl.static_range(S - 1):
             if u < NT - laps * S:
                 _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t0 + laps * S + u, u,
-                      (laps & 1) ^ 1, XF)
+                      (laps & 1) ^ 1)
 
     @gluon.jit
-    def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase,
-              XF: gl.constexpr):
+    def _load(w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP, t, u: gl.constexpr, phase):
         # K tile t into stage u once the consumer has freed it (phase: passes at once on the first lap)
         nbytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + x_desc.block_type.nbytes
         mbarrier.wait(empty[u], phase)
         mbarrier.expect(ready[u], nbytes)
-        if XF:
-            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))
         tma.async_copy_global_to_shared(w_desc, [t * NP + n0, 0], ready[u], w_bufs.index(u))
         tma.async_copy_global_to_shared(s_desc, [(t * NP + n0) // 2, 0], ready[u], s_bufs.index(u))
-        if not XF:
-            tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))    # K OOB: zeros
+        tma.async_copy_global_to_shared(x_desc, [m0, t * 128], ready[u], x_bufs.index(u))        # K OOB: zeros
 
     @gluon.jit
     def _ws_kernel(w_desc, s_desc, x_desc, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr, lb_ptr, M, MX, N, NP,
                    NT, stride_ym, R, BM: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False, XF: gl.constexpr = False):
+                   RP: gl.constexpr = 0, STAMP: gl.constexpr = False):
         # program (n tile, m tile, K split): 64 weight rows, BM tokens, K tiles NT * split .. NT * split + NT - 1.
         # With MX >= BM rows of x, the last token tile is moved back to end at the last row: a TMA box reaching past
         # the rows costs more than recomputing some (gate_up at 160 tokens: 224 us with a half-empty second tile,
@@ -389,7 +384,7 @@ if gluon is not None:
             (_consumer, (w_bufs, s_bufs, x_bufs, ready, empty, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, st_ptr, xa_ptr,
                          lb_ptr, M, N, n0, m0, NT, stride_ym, R, BM, S, SPLIT, HAS_BIAS, RP, STAMP)),
             (_loader, (w_desc, s_desc, x_desc, w_bufs, s_bufs, x_bufs, ready, empty, n0, m0, NP,
-                       gl.program_id(2) * NT, NT, S, XF)),
+                       gl.program_id(2) * NT, NT, S)),
         ], [1], [40])
 
 
@@ -430,6 +425,5 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,
                      stamps if stamps is not None else cnt, xa, lb, M, x2.shape[0], w.n, NP, NT, y.stride(0), R, BM=BM,
                      S=S, SPLIT=split, HAS_BIAS=bias is not None, RP=-(-R // 16) * 16,
-                     STAMP=stamps is not None, XF=cfg.get("XF", False), num_warps=4,
-                     maxnreg=cfg["maxnreg"])
+                     STAMP=stamps is not None, num_warps=4, maxnreg=cfg["maxnreg"])
     return y
