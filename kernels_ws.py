@@ -69,8 +69,8 @@ spills with LoRA; commit 0160692, `python bench_persist.py`), nor programmatic d
 KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
 tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in KERNELS.md's last
 section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in a
-ring of their own beside a deeper one of words (slower in all 16 cases: gate_up at 64 tokens 51.6 vs 43.8 us; commit
-36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in KERNELS.md).
+ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
+43.8 us; commit 36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in KERNELS.md).
 """
 import functools
 
