@@ -360,3 +360,57 @@ def sampler(out: dict):
         rows.append(dict(batch=B, chunked_us=t[0], one_chunk_us=t[1]))
         print(f"sampler batch {B:3d}: chunked {t[0]:6.1f} us, one program a row {t[1]:6.1f} us ({t[1] / t[0]:.1f}x)")
     out["sampler"] = rows
+
+
+def attn(out: dict):
+    """python bench.py kernels --parts attn: attention.decode_attention against torch SDPA as model.py called it
+    (additive mask, enable_gqa) for one decode step's layer, 7B (28 / 4 heads) and 32B (40 / 8) at the rollout's
+    batch sizes and KV lengths; KV caches rotate over enough copies that every call reads from HBM. Also the KV
+    bytes per call over the time, against the copy bandwidth."""
+    import attention
+
+    copy = bench.copy_bandwidth()
+    rows = []
+    for size, HQ, HK in (("7b", 28, 4), ("32b", 40, 8)):
+        for B in (1, 4, 16, 64, 256):
+            for kv in (512, 768):
+                if size == "32b" and B == 256:
+                    continue
+                D, nbytes = 128, 2 * B * HK * kv * 128 * 2
+                n = bench.copies_for(nbytes)
+                caches = [(torch.randn(B, HK, 768, D, device="cuda", dtype=torch.bfloat16),
+                           torch.randn(B, HK, 768, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
+                q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+                valid = torch.ones(B, 768, dtype=torch.bool, device="cuda")
+                valid[:, : 768 - kv // 2 - 1: 7] = False                                   # some padding
+                valid = valid[:, :kv]
+                add = torch.zeros(B, 1, 1, kv, device="cuda", dtype=torch.bfloat16).masked_fill_(
+                    ~valid[:, None, None], float("-inf"))
+                sd = [lambda c=c: torch.nn.functional.scaled_dot_product_attention(
+                    q, c[0][:, :, :kv], c[1][:, :, :kv], attn_mask=add, scale=D ** -0.5, enable_gqa=True)
+                      for c in caches]
+                ours = [lambda c=c: attention.decode_attention(q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5)
+                        for c in caches]
+                with torch.no_grad():
+                    err = (ours[0]().float() - sd[0]().float()).abs().max().item()
+                    t_sd, t_ours = bench.paired_us(sd, ours)
+                row = dict(size=size, batch=B, kv=kv, sdpa_us=t_sd, ours_us=t_ours, speedup=t_sd / t_ours,
+                           ours_GBps=nbytes / t_ours / 1e3, sdpa_GBps=nbytes / t_sd / 1e3, max_abs_diff=err)
+                if size == "7b" and kv == 768:   # the kernel's knobs around attention.config_for's choice
+                    c0 = attention.config_for(B * HK, kv)["chunks"]
+                    var = [dict(chunks=c, block=bk, warps=w, stages=st) for c in sorted({1, c0, 2 * c0})
+                           for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+                    with torch.no_grad():
+                        ts = bench.paired_us(*[[lambda c=c, v_=v_: attention.decode_attention(
+                            q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5, v_) for c in caches] for v_ in var])
+                    best = min(range(len(var)), key=ts.__getitem__)
+                    row["best_variant"], row["best_us"] = var[best], ts[best]
+                    print(f"  variants: best {var[best]} {ts[best]:.1f} us; next: "
+                          + ", ".join(f"{tuple(v_.values())}: {t:.1f}" for v_, t in sorted(zip(var, ts),
+                                                                             key=lambda z: z[1])[1:6]))
+                rows.append(row)
+                print(f"decode attention {size} batch {B:3d} kv {kv}: SDPA {t_sd:7.1f} us, ours {t_ours:7.1f} us "
+                      f"({t_sd / t_ours:.2f}x); {row['ours_GBps']:.0f} vs {row['sdpa_GBps']:.0f} GB/s "
+                      f"(copy {copy:.0f}); max |diff| {err:.4f}")
+                del caches
+    out["decode_attention"] = rows

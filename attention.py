@@ -1,0 +1,150 @@
+"""attention.py: decode attention over the KV cache (one new token per sequence), a Triton kernel beside its reference.
+
+    pytest tests/test_attention.py                     # the kernel against the reference (CPU: TRITON_INTERPRET=1)
+    python bench.py kernels --parts attn               # H100: the kernel against torch SDPA at the rollout's sizes
+    python bench.py profile --attn-ab --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
+
+A decode step's attention reads every key and value of every sequence once (2 * B * kv_heads * kv * head_dim bf16)
+and little else: a streaming kernel. A program takes one KV head of one sequence, with all the query heads of its
+GQA group as the rows of one tile (padded to 16 for the tensor cores), and one chunk of the keys; where a sequence
+has several chunks (few sequences: more programs to fill the SMs), a second launch merges their softmax partials
+(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. Used by model.py for decode
+steps (one new token a row, with a cache); the prefill and training keep torch SDPA. Leaves out: sliding windows,
+soft-capping, ALiBi; head_dim that is not a power of two and fp32 fall back to the reference.
+"""
+import math
+
+import torch
+
+from kernels import INTERPRET, _use_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+def decode_attention_ref(q, k, v, valid, scale: float):
+    """q (B, HQ, 1, D); k, v (B, HK, S, D) (HQ a multiple of HK); valid (B, S) bool -> (B, HQ, 1, D).
+    Softmax over the valid keys in fp32, as SDPA's math path computes it, cast to q's dtype at the end."""
+    B, HQ, _, D = q.shape
+    G = HQ // k.shape[1]
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)       # (B, HQ, S, D)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale                                      # (B, HQ, 1, S)
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return (torch.softmax(s, -1) @ vf).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, o_ptr, part_ptr, ml_ptr, S, CHUNK, HK, G, qk_scale,
+                            sqb, sqh, skb, skh, sks, svb, svh, svs, sval, sob, soh,
+                            D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+                            F32: tl.constexpr):
+        bh, c = tl.program_id(0), tl.program_id(1)        # (sequence, KV head), chunk of the keys
+        b, hk = (bh // HK).to(tl.int64), bh % HK
+        g, d = tl.arange(0, GP), tl.arange(0, D)
+        hq = hk * G + g                                   # (GP,) the GQA group's query heads
+        q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)  # (GP, D)
+        kb, vb = k_ptr + b * skb + hk * skh, v_ptr + b * svb + hk * svh
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, S)
+        for n0 in tl.range(lo, hi, BN):
+            n = n0 + tl.arange(0, BN)                                                       # (BN,)
+            ok = (n < hi) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
+            kt = tl.load(kb + n[:, None] * sks + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
+            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
+            if F32:  # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
+                s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * qk_scale
+            else:
+                s = tl.dot(q, tl.trans(kt)) * qk_scale                                      # (GP, BN), log2 units
+            s = tl.where(ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                            # no valid key yet
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])                                                 # (GP, BN)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32)) if F32 else tl.dot(p.to(vt.dtype), vt)
+            acc = acc * alpha[:, None] + pv                                                 # (GP, D)
+            m_i = m_new
+        row = b * HK * G + hq                                                               # (GP,) row of (B * HQ)
+        if SPLIT == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(o_ptr + b * sob + hq[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=(g < G)[:, None])
+        else:                                          # park the chunk's unnormalized partial, its max and its sum
+            nc = tl.num_programs(1)
+            tl.store(part_ptr + (row[:, None] * nc + c) * D + d[None, :], acc, mask=(g < G)[:, None])
+            tl.store(ml_ptr + (row * nc + c) * 2, m_i, mask=g < G)
+            tl.store(ml_ptr + (row * nc + c) * 2 + 1, l_i, mask=g < G)
+
+    @triton.jit
+    def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh, D: tl.constexpr, CP: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)                   # one (sequence, query head) row a program
+        c, d = tl.arange(0, CP), tl.arange(0, D)
+        m = tl.load(ml_ptr + (r * NC + c) * 2, mask=c < NC, other=float("-inf"))           # (CP,)
+        lsum = tl.load(ml_ptr + (r * NC + c) * 2 + 1, mask=c < NC, other=0.0)
+        mx = tl.max(m, 0)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)))   # (CP,)
+        part = tl.load(part_ptr + (r * NC + c[:, None]) * D + d[None, :], mask=(c < NC)[:, None], other=0.0)
+        den = tl.sum(w * lsum, 0)
+        out = tl.sum(part * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)                # (D,)
+        tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def config_for(programs: int, S: int, sms: int = 132) -> dict:
+    """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
+    (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 768): one
+    chunk of 128-key steps on 8 warps once the pairs fill the SMs (batch 64: 39.0 us, against 46.0 us for two
+    chunks of 64-key steps on 4 warps); below that, chunks for about four programs an SM, of 32- or 64-key steps
+    (batch 1: 24 chunks of 32-key steps, 5.4 us; batch 16: 9 of 64, 14.5 us)."""
+    if programs >= sms:
+        return dict(chunks=1, block=128, warps=8, stages=2)
+    block = 32 if programs < 32 else 64
+    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
+
+
+def usable(q, k=None, v=None, valid=None) -> bool:
+    """Whether the kernel takes these tensors (else decode_attention computes the reference): Triton (CUDA, or CPU
+    under TRITON_INTERPRET=1 with kernels.CPU_TRITON), bf16 / fp16, head_dim a power of two >= 16, a bool mask,
+    unit-stride heads, GQA groups of at most 64 query heads, no autograd."""
+    D = q.shape[-1]
+    ok = (_use_triton(q) and D >= 16 and D & (D - 1) == 0 and q.dtype in (torch.bfloat16, torch.float16)
+          and not torch.is_grad_enabled())
+    if k is not None:
+        ok = ok and (k.dtype == v.dtype == q.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+                     and valid.dtype == torch.bool and q.shape[1] // k.shape[1] <= 64)
+    return ok
+
+
+def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
+    """decode_attention_ref with the Triton kernel (CUDA, and CPU under TRITON_INTERPRET=1), else the reference.
+    config: dict(chunks=key chunks per (sequence, KV head) (more than one adds a merge launch), block=keys a loop
+    step (a power of two >= 16), warps, stages (pipeline depth)); default config_for's."""
+    B, HQ, T, D = q.shape
+    HK, S = k.shape[1], k.shape[2]
+    if T != 1 or HQ % HK or valid.shape != (B, S):
+        raise ValueError(f"decode attention takes q (B, HQ, 1, D), k/v (B, HK, S, D), valid (B, S); got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(valid.shape)}")
+    if not usable(q, k, v, valid):
+        return decode_attention_ref(q, k, v, valid, scale)
+    G = HQ // HK
+    cfg = {**config_for(B * HK, S), **(config or {})}
+    block = cfg["block"]
+    nc = max(1, cfg["chunks"])
+    chunk = -(-S // nc // block) * block                      # keys per chunk, a multiple of the block
+    nc = -(-S // chunk)
+    o = torch.empty(B, HQ, 1, D, dtype=q.dtype, device=q.device)
+    part = torch.empty(B * HQ * nc * D if nc > 1 else 1, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * HQ * nc * 2 if nc > 1 else 1, dtype=torch.float32, device=q.device)
+    vb = valid.view(torch.uint8)
+    _decode_attn_kernel[(B * HK, nc)](
+        q, k, v, vb, o, part, ml, S, chunk, HK, G, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        *k.stride()[:3], *v.stride()[:3], vb.stride(0), o.stride(0), o.stride(1),
+        D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2, F32=INTERPRET,
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    if nc > 1:
+        _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
+                                        CP=max(2, triton.next_power_of_2(nc)), num_warps=1)
+    return o
