@@ -8,6 +8,7 @@
     python bench.py kernels --parts stamps  # where kernels_ws's programs spend their time (global-timer stamps)
     python bench.py model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python bench.py profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
+    python bench.py kernels --parts attn    # decode attention (attention.py) vs torch SDPA
 
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight of as many bytes as the NVFP4 one (9/32 of the rows:
 "same-bytes bound") and a kernel that only streams the NVFP4 words and scales ("read floor", an estimate).
@@ -435,6 +436,10 @@ def main(argv=None):
     ap.add_argument("--lora-rank", type=int, default=0, help="with profile: LoRA of this rank on every linear")
     ap.add_argument("--train", default=None, choices=["nvfp4", "bf16"],
                     help="with profile: the train half of `bench.py train` (this base) instead of a decode step")
+    ap.add_argument("--prefill", action="store_true",
+                    help="with profile: host time of the eager prefill (first of --batches), NVFP4 and bf16")
+    ap.add_argument("--attn-ab", action="store_true", help="with profile: the decode step with our decode attention "
+                    "kernel vs torch SDPA, same run (--batches)")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make (each of ours and of F.linear)")
@@ -446,7 +451,8 @@ def main(argv=None):
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
                          "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' "
-                         "time goes, sampler: ops.race_sample chunked vs one program a row; see bench_sweep)")
+                         "time goes, sampler: ops.race_sample chunked vs one program a row, attn: decode attention vs "
+                         "SDPA; see bench_sweep)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
@@ -459,6 +465,10 @@ def main(argv=None):
         import bench_profile as bp
         if args.what == "one":
             return bp.run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
+        if args.attn_ab:
+            return bp.attn_ab(args.size, [int(b) for b in args.batches.split(",")]) or 0
+        if args.prefill:
+            return bp.profile_prefill(args.size, int(args.batches.split(",")[0])) or 0
         if args.train:
             return bp.profile_train(args.size, args.train) or 0
         return bp.profile_decode(args.size, int(args.batches.split(",")[0]), lora_rank=args.lora_rank) or 0
@@ -483,7 +493,8 @@ def main(argv=None):
     import bench_sweep
     ws_m = [int(m) for m in args.ws_m.split(",")]
     for part, run in (("stamps", bench_sweep.stamps), ("ws", lambda o: bench_sweep.ws(o, ws_m)),
-                      ("ablate", bench_sweep.ablate), ("splits", bench_sweep.splits), ("sampler", bench_sweep.sampler)):
+                      ("ablate", bench_sweep.ablate), ("splits", bench_sweep.splits), ("sampler", bench_sweep.sampler),
+                      ("attn", bench_sweep.attn)):
         if part in parts:
             run(out)
     if args.json:

@@ -5,8 +5,11 @@
     python bench.py profile --train nvfp4                # the train half of `bench.py train` (or --train bf16)
     ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
     python bench.py one --shape qkv --m 256 --iters 200          # also: host time per call, ours vs F.linear
+    python bench.py profile --prefill --batches 1        # host time of the eager prefill, NVFP4 vs bf16 (cProfile)
+    python bench.py profile --attn-ab --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
 """
 import json
+import statistics
 import time
 
 import torch
@@ -60,6 +63,74 @@ def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_r
         eng.generate(P, max_new_tokens=steps + 1, stop_token_ids=[])
     print_kernel_table([(-1, p0), (1, p1)], steps, f"{size} NVFP4{f' + LoRA r{lora_rank}' if lora_rank else ''} "
                        f"batch {B}", "decode step (eager)")
+
+
+def profile_prefill(size: str, B: int, prompt: int = 256):
+    """Where an eager prefill's wall time goes on the host: the prefill (generate with one new token) of both bases
+    timed, then profiled with cProfile (the functions with the most time of their own)."""
+    import cProfile
+    import pstats
+    import rollout
+
+    for base in ("nvfp4", "bf16"):
+        m = random_model(size, base == "nvfp4")
+        eng = rollout.Engine(m, max_batch=B, max_len=prompt + 8)
+        P = torch.randint(0, 150000, (B, prompt)).tolist()
+        walls = []
+        for _ in range(6):                                                        # the first compiles
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.generate(P, max_new_tokens=1, stop_token_ids=[])
+            torch.cuda.synchronize()
+            walls.append(1e3 * (time.perf_counter() - t0))
+        print(f"{size} {base} batch {B} prefill of {prompt} tokens: wall ms {[round(w, 1) for w in walls[1:]]}")
+        with cProfile.Profile() as pr:
+            eng.generate(P, max_new_tokens=1, stop_token_ids=[])
+            torch.cuda.synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+        del eng, m
+        torch.cuda.empty_cache()
+
+
+def attn_ab(size: str, batches, prompt: int = 256, new_tokens: int = 512, reps: int = 3):
+    """The engine's decode step with attention.decode_attention and with torch SDPA, same run: two engines on one
+    model, their graphs captured once each, then generate calls alternated; decode step = (a 512-token call - a
+    1-token call) / 511, the median over `reps` pairs. NVFP4 and bf16, so the ratio of the two is also shown."""
+    import attention
+    import rollout
+
+    usable, step = attention.usable, {}
+    for base in ("nvfp4", "bf16"):
+        m = random_model(size, base == "nvfp4")
+        for B in batches:
+            P = torch.randint(0, 150000, (B, prompt)).tolist()
+            engs, ts = {}, {"kernel": [], "sdpa": []}
+            for name in ts:
+                attention.usable = usable if name == "kernel" else (lambda *a, **k: False)
+                engs[name] = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
+                engs[name].generate(P, max_new_tokens=new_tokens, stop_token_ids=[])        # capture its graphs
+            attention.usable = usable
+            for _ in range(reps):
+                for name, eng in engs.items():
+                    walls = []
+                    for n in (new_tokens, 1):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        eng.generate(P, max_new_tokens=n, stop_token_ids=[], seed=0)
+                        torch.cuda.synchronize()
+                        walls.append(time.perf_counter() - t0)
+                    ts[name].append(1e3 * (walls[0] - walls[1]) / (new_tokens - 1))
+            for name in ts:
+                step[(base, B, name)] = statistics.median(ts[name])
+            print(f"{size} {base} batch {B}: decode step {step[(base, B, 'kernel')]:.3f} ms with decode_attention, "
+                  f"{step[(base, B, 'sdpa')]:.3f} ms with SDPA (medians of {reps}: {ts})")
+            del engs
+            torch.cuda.empty_cache()
+        del m
+        torch.cuda.empty_cache()
+    for B in batches:
+        r = [step[("bf16", B, n)] / step[("nvfp4", B, n)] for n in ("kernel", "sdpa")]
+        print(f"batch {B}: NVFP4 / bf16 decode speed {r[0]:.2f}x with decode_attention, {r[1]:.2f}x with SDPA")
 
 
 def print_kernel_table(profs, per: int, what: str, unit: str):

@@ -6,7 +6,8 @@ One module serves rollout and training: `Model.from_pretrained` loads a bf16 che
 (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
 runs full sequences (training, scoring; optional per-layer gradient checkpointing) or writes/reads a KV cache
 (the rollout engine) through the same layer code. Norms run through ops.rms_norm with the AQN noise of
-`model.noise` ((layers, 2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up). `token_logprobs` scores given
+`model.noise` ((layers, 2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up); a decode step (one new token a
+row) runs attention.decode_attention, everything else torch SDPA. `token_logprobs` scores given
 tokens chunk by chunk, so the (tokens, 152k) fp32 logits never exist at once.
 
 Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor parallelism.
@@ -25,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+import attention  # noqa: E402
 import kernels  # noqa: E402
 import lora  # noqa: E402
 import quantize  # noqa: E402
@@ -231,7 +233,11 @@ class Layer(nn.Module):
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
+        if mask.dim() == 2 and attention.usable(q, k, v, mask):   # one new token a row: the decode kernel
+            o = attention.decode_attention(q, k, v, mask, cfg.head_dim ** -0.5)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None] if mask.dim() == 2 else mask,
+                                               scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         gu = gate_up(m, x)                                                    # (B, T, rows): gate, then up
@@ -302,7 +308,9 @@ class Model(nn.Module):
         With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
         h, d = self.model.embed_tokens(ids), None                              # (B, T, H); hidden = h + d
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        if mask.dtype == torch.bool:  # additive, once: SDPA would convert a bool mask in every layer
+        if mask.dtype == torch.bool and cache is not None and ids.shape[1] == 1:
+            mask = mask[:, 0, 0]      # decode: the valid keys (B, S) for attention.decode_attention
+        elif mask.dtype == torch.bool:  # additive, once: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:
             args = (cos, sin, mask, self.noise, cache, slots, kv_len)
