@@ -105,17 +105,12 @@ def config_for(programs: int, S: int, sms: int = 132) -> dict:
     return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
 
 
-def usable(q, k=None, v=None, valid=None) -> bool:
-    """Whether the kernel takes these tensors (else decode_attention computes the reference): Triton (CUDA, or CPU
-    under TRITON_INTERPRET=1 with kernels.CPU_TRITON), bf16 / fp16, head_dim a power of two >= 16, a bool mask,
-    unit-stride heads, GQA groups of at most 64 query heads, no autograd."""
-    D = q.shape[-1]
-    ok = (_use_triton(q) and D >= 16 and D & (D - 1) == 0 and q.dtype in (torch.bfloat16, torch.float16)
-          and not torch.is_grad_enabled())
-    if k is not None:
-        ok = ok and (k.dtype == v.dtype == q.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-                     and valid.dtype == torch.bool and q.shape[1] // k.shape[1] <= 64)
-    return ok
+def usable(x, head_dim: int) -> bool:
+    """Whether decode_attention runs the kernel for queries on x's device and of x's dtype (else the reference):
+    Triton (CUDA, or CPU under TRITON_INTERPRET=1 with kernels.CPU_TRITON), bf16 / fp16, head_dim a power of two
+    >= 16, no autograd. model.py asks once per forward, so that the fallback keeps SDPA's additive mask."""
+    return (_use_triton(x) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+            and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
 
 
 def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
@@ -127,7 +122,8 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
     if T != 1 or HQ % HK or valid.shape != (B, S):
         raise ValueError(f"decode attention takes q (B, HQ, 1, D), k/v (B, HK, S, D), valid (B, S); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(valid.shape)}")
-    if not usable(q, k, v, valid):
+    if not (usable(q, D) and k.dtype == v.dtype == q.dtype and valid.dtype == torch.bool and HQ // HK <= 64
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         return decode_attention_ref(q, k, v, valid, scale)
     G = HQ // HK
     cfg = {**config_for(B * HK, S), **(config or {})}

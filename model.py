@@ -233,11 +233,10 @@ class Layer(nn.Module):
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
             q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if mask.dim() == 2 and attention.usable(q, k, v, mask):   # one new token a row: the decode kernel
+        if mask.dim() == 2:   # a decode step (valid keys (B, S)): one new token a row
             o = attention.decode_attention(q, k, v, mask, cfg.head_dim ** -0.5)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None] if mask.dim() == 2 else mask,
-                                               scale=cfg.head_dim ** -0.5, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         gu = gate_up(m, x)                                                    # (B, T, rows): gate, then up
@@ -308,8 +307,9 @@ class Model(nn.Module):
         With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
         h, d = self.model.embed_tokens(ids), None                              # (B, T, H); hidden = h + d
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
-        if mask.dtype == torch.bool and cache is not None and ids.shape[1] == 1:
-            mask = mask[:, 0, 0]      # decode: the valid keys (B, S) for attention.decode_attention
+        if (mask.dtype == torch.bool and cache is not None and ids.shape[1] == 1
+                and attention.usable(h, self.cfg.head_dim)):
+            mask = mask[:, 0, 0]      # a decode step: the valid keys (B, S) for attention.decode_attention
         elif mask.dtype == torch.bool:  # additive, once: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:

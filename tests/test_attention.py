@@ -66,8 +66,11 @@ def test_decode_attention_input_checks_and_fallback():
         A.decode_attention(q, k, k, valid, 0.25)                      # two query tokens
     with pytest.raises(ValueError, match="valid \\(B, S\\)"):
         A.decode_attention(q[:, :, :1], k, k, valid[:, :4], 0.25)
-    q3, k3 = torch.randn(1, 4, 1, 24, dtype=torch.bfloat16), torch.randn(1, 2, 8, 24, dtype=torch.bfloat16)
-    assert not A.usable(q3, k3, k3, valid)                             # head_dim 24: the reference
+    q3, k3 = torch.randn(1, 4, 1, 24, dtype=torch.bfloat16, device=DEV), torch.randn(1, 2, 8, 24, device=DEV).bfloat16()
+    valid = valid.to(DEV)
+    assert A.usable(q3, 32) is False                                   # autograd on: the reference
+    with torch.no_grad():
+        assert not A.usable(q3, 24) and A.usable(q3, 32)               # head_dim 24: the reference
     assert torch.equal(A.decode_attention(q3, k3, k3, valid, 0.2), A.decode_attention_ref(q3, k3, k3, valid, 0.2))
 
 
