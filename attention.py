@@ -93,6 +93,9 @@ if triton is not None:
         tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(o_ptr.dtype.element_ty))
 
 
+MAX_CHUNKS = 32   # the merge holds a row's partials in one warp's registers: 32 x 128 fp32 = 128 a thread
+
+
 def config_for(programs: int, S: int, sms: int = 132) -> dict:
     """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
     (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 768): one
@@ -102,7 +105,8 @@ def config_for(programs: int, S: int, sms: int = 132) -> dict:
     if programs >= sms:
         return dict(chunks=1, block=128, warps=8, stages=2)
     block = 32 if programs < 32 else 64
-    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
+    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block), MAX_CHUNKS)), block=block, warps=4,
+                stages=2)
 
 
 def usable(x, head_dim: int) -> bool:
@@ -128,7 +132,7 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
     G = HQ // HK
     cfg = {**config_for(B * HK, S), **(config or {})}
     block = cfg["block"]
-    nc = max(1, cfg["chunks"])
+    nc = max(1, min(cfg["chunks"], MAX_CHUNKS))
     chunk = -(-S // nc // block) * block                      # keys per chunk, a multiple of the block
     nc = -(-S // chunk)
     o = torch.empty(B, HQ, 1, D, dtype=q.dtype, device=q.device)

@@ -27,7 +27,7 @@ def tolerance(v, device):
 CASES = [  # B, HQ, HK, S (keys read), D, chunks (None: config_for's choice), keys a loop step
     (1, 1, 1, 16, 16, 1, 64), (2, 7, 1, 70, 32, None, 64), (1, 4, 2, 130, 16, 3, 64), (3, 14, 2, 64, 64, 1, 64),
     (2, 5, 5, 200, 32, 4, 64), (2, 12, 2, 1, 16, None, 64), (2, 7, 1, 200, 32, 1, 16), (1, 4, 2, 150, 16, 2, 32),
-    (33, 8, 4, 40, 16, None, 64)]
+    (33, 8, 4, 40, 16, None, 64), (1, 4, 2, 2500, 16, None, 64), (1, 2, 1, 300, 16, 99, 16)]
 
 
 @pytest.mark.parametrize("B,HQ,HK,S,D,chunks,block", CASES + (
