@@ -36,9 +36,9 @@ CASES = [  # B, HQ, HK, S (keys read), D, chunks (None: config_for's choice), ke
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_attention_matches_reference(B, HQ, HK, S, D, chunks, block, dtype):
     """GQA groups of 1-14 query heads, config_for's choices (several chunks, or one of 128-key steps on 8 warps
-    where the (sequence, KV head) pairs fill the SMs) and others: one chunk or several (the merge launch), chunks of one block or several (the
-    online softmax rescales), keys read from a longer cache (a strided slice, as the engine reads it), padding in the
-    mask, and a chunk whose keys are all masked."""
+    where the (sequence, KV head) pairs fill the SMs) and others: one chunk or several (the merge launch), chunks of
+    one block or several (the online softmax rescales), keys read from a longer cache (a strided slice, as the
+    engine reads it), padding in the mask, and a chunk whose keys are all masked."""
     g = torch.Generator().manual_seed(S * 7 + HQ)
     q = torch.randn(B, HQ, 1, D, generator=g).to(DEV, dtype)
     cache = torch.randn(2, B, HK, S + 9, D, generator=g).to(DEV, dtype)
