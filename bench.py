@@ -462,16 +462,8 @@ def main(argv=None):
         print("error: bench.py needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.what in ("profile", "one"):
-        import bench_profile as bp
-        if args.what == "one":
-            return bp.run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters) or 0
-        if args.attn_ab:
-            return bp.attn_ab(args.size, [int(b) for b in args.batches.split(",")]) or 0
-        if args.prefill:
-            return bp.profile_prefill(args.size, int(args.batches.split(",")[0])) or 0
-        if args.train:
-            return bp.profile_train(args.size, args.train) or 0
-        return bp.profile_decode(args.size, int(args.batches.split(",")[0]), lora_rank=args.lora_rank) or 0
+        import bench_profile
+        return bench_profile.run(args) or 0
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if args.what in ("model", "rollout", "train"):
         out["copy_GBps"] = copy_bandwidth()

@@ -18,6 +18,20 @@ import bench
 from bench import SHAPES_7B, random_model, random_nvfp4
 
 
+def run(args):
+    """`bench.py one` and `bench.py profile`, as their flags ask (see bench.py --help)."""
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.what == "one":
+        return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters)
+    if args.attn_ab:
+        return attn_ab(args.size, batches)
+    if args.prefill:
+        return profile_prefill(args.size, batches[0])
+    if args.train:
+        return profile_train(args.size, args.train)
+    return profile_decode(args.size, batches[0], lora_rank=args.lora_rank)
+
+
 def run_one(shape: str, M: int, config: str | None, iters: int):
     """A few plain calls of one GEMM, for profilers (ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1),
     then as many of bf16 F.linear; prints the host time per call of each (what an eager prefill pays per linear)."""
