@@ -93,7 +93,7 @@ if triton is not None:
         tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(o_ptr.dtype.element_ty))
 
 
-MAX_CHUNKS = 32   # the merge holds a row's partials in one warp's registers: 32 x 128 fp32 = 128 a thread
+MAX_CHUNKS = 32   # decode_attention's cap: the merge holds a row's partials in one warp's registers (32 x 128 fp32)
 
 
 def config_for(programs: int, S: int, sms: int = 132) -> dict:
@@ -105,8 +105,7 @@ def config_for(programs: int, S: int, sms: int = 132) -> dict:
     if programs >= sms:
         return dict(chunks=1, block=128, warps=8, stages=2)
     block = 32 if programs < 32 else 64
-    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block), MAX_CHUNKS)), block=block, warps=4,
-                stages=2)
+    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
 
 
 def usable(x, head_dim: int) -> bool:
