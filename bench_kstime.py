@@ -134,7 +134,24 @@ def show(label, programs, graph_us, r):
           flush=True)
 
 
+def scale():
+    """Time per byte as the row count N moves the programs per SM (K-sliced at M = 1, the dispatch at M = 16)."""
+    print(torch.cuda.get_device_name())
+    for K in (3584, 18944):
+        for N in (2112, 3584, 4224, 4608, 6336, 8448):
+            _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+            for M in (1, 16):
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                us = bench.graph_time_us([lambda w=w: kernels.nvfp4_linear(x, w) for w in wq])
+                cfg = kernels.mm_config(M, N, K)
+                print(f"K={K:5d} N={N:5d} M={M:2d} {us:6.2f} us  {N * K * 9 / 16 / us / 1e3:6.0f} GB/s  {cfg}",
+                      flush=True)
+            del wq
+
+
 def main():
+    if sys.argv[1:2] == ["scale"]:
+        return scale()
     Ms = [int(a) for a in sys.argv[1:]] or [1, 16]
     print(torch.cuda.get_device_name())
     for name, (N, K) in bench.SHAPES_7B.items():
