@@ -149,9 +149,69 @@ def scale():
             del wq
 
 
+@triton.jit
+def _ks_balanced(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, NP, K, KT, stride_xm, stride_ym,
+                 BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr):
+    # the K-sliced kernel over P programs of about N / P rows each (a BN-row tile, the rows past its share masked):
+    # every program, and so every SM, streams the same bytes
+    p, P = tl.program_id(0), tl.num_programs(0)
+    r0, r1 = (p * N) // P, ((p + 1) * N) // P
+    n = r0 + tl.arange(0, BN)
+    rm = (n < r1)[None, :, None]
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    ks, kk = tl.arange(0, KS), tl.arange(0, 128)
+    acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
+    for i in range(0, tl.cdiv(KT, KS)):
+        t = i * KS + ks
+        live = (t < KT)[:, None, None] & rm
+        wo = (t[:, None, None] * NP + n[None, :, None])
+        words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)
+        sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)
+        sw0, sw1 = tl.split(tl.reshape(sc, (KS * BN, 2)))
+        wt = _dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, True)
+        k = t[:, None, None] * 128 + kk[None, :, None]
+        xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
+        acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, True)
+    acc = tl.sum(acc, 0) * (2.0 ** 119 / tl.load(gs_ptr))
+    tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=(n[:, None] < r1) & (m[None, :] < M))
+
+
+def bal_call(x, w, y, P, BN, stages):
+    M, K = x.shape
+    BM = max(1, 1 << (M - 1).bit_length())
+    _ks_balanced[(P, -(-M // BM))](x, w.words, w.scales, w.global_scale, y, M, w.n, w.words.shape[1], K,
+                                   w.words.shape[0], x.stride(0), y.stride(0), BM=BM, BN=BN, KS=4, num_warps=4,
+                                   num_stages=stages)
+
+
+def balanced(Ms):
+    """The balanced K-sliced kernel against the dispatch, same run (paired), bits checked against it at M = 1."""
+    print(torch.cuda.get_device_name())
+    for name, (N, K) in bench.SHAPES_7B.items():
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            ref = kernels.nvfp4_linear(x, wq[0]).float()
+            for P, BN, stages in ((132, 64, 4), (264, 32, 4), (264, 32, 6), (396, 16, 4), (396, 32, 4),
+                                  (528, 16, 4), (792, 16, 4)):
+                if -(-N // P) > BN:
+                    continue
+                bal_call(x, wq[0], y, P, BN, stages)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                t_d, t_b = bench.paired_us([lambda w=w: kernels.nvfp4_linear(x, w) for w in wq],
+                                           [lambda w=w: bal_call(x, w, y, P, BN, stages) for w in wq])
+                print(f"{name:7s} M={M:2d} P={P:3d} BN={BN} S={stages}: dispatch {t_d:6.2f} us, balanced {t_b:6.2f} us "
+                      f"({t_d / t_b:.3f}x)  err {err:.1e}", flush=True)
+        del wq
+
+
 def main():
     if sys.argv[1:2] == ["scale"]:
         return scale()
+    if sys.argv[1:2] == ["balanced"]:
+        return balanced([int(a) for a in sys.argv[2:]] or [1, 4, 8, 16])
     Ms = [int(a) for a in sys.argv[1:]] or [1, 16]
     print(torch.cuda.get_device_name())
     for name, (N, K) in bench.SHAPES_7B.items():
