@@ -207,7 +207,34 @@ def balanced(Ms):
         del wq
 
 
+def slices_per_warp(Ms):
+    """K-sliced configs with 2-4 slices a warp (more K tiles a warp an iteration), against the dispatch (paired)."""
+    print(torch.cuda.get_device_name())
+    for name, (N, K) in bench.SHAPES_7B.items():
+        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = kernels.nvfp4_linear(x, wq[0]).float()
+            BM = 1 << (M - 1).bit_length()
+            for BN, KS, nw, st in ((16, 8, 4, 2), (16, 8, 4, 3), (16, 8, 4, 4), (32, 8, 4, 3), (16, 4, 2, 4),
+                                   (16, 8, 2, 3), (16, 16, 4, 2), (32, 4, 4, 4), (16, 4, 4, 4)):
+                cfg = dict(BM=BM, BN=BN, KS=KS, num_warps=nw, num_stages=st)
+                try:
+                    y = kernels.nvfp4_mm(x, wq[0], config=cfg).float()
+                except Exception as e:
+                    print(f"{name} M={M} {cfg}: {type(e).__name__}")
+                    continue
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+                t_d, t_c = bench.paired_us([lambda w=w: kernels.nvfp4_linear(x, w) for w in wq],
+                                           [lambda w=w: kernels.nvfp4_mm(x, w, config=cfg) for w in wq])
+                print(f"{name:7s} M={M:2d} BN={BN} KS={KS:2d} warps={nw} S={st}: dispatch {t_d:6.2f} us, "
+                      f"this {t_c:6.2f} us ({t_d / t_c:.3f}x)  err {err:.1e}", flush=True)
+        del wq
+
+
 def main():
+    if sys.argv[1:2] == ["spw"]:
+        return slices_per_warp([int(a) for a in sys.argv[2:]] or [1, 8, 16])
     if sys.argv[1:2] == ["scale"]:
         return scale()
     if sys.argv[1:2] == ["balanced"]:
