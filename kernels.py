@@ -417,6 +417,8 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if "KS" in cfg:  # K sliced inside the program: no split-K workspace
+        if cfg.get("num_warps", 4) % cfg["KS"]:  # fewer warps than slices gave wrong sums at BM = 1 (H100)
+            raise ValueError(f"the K-sliced kernel needs num_warps a multiple of KS, got {cfg}")
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
             x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N,
             w.words.shape[1], K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP,
