@@ -412,17 +412,16 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
         return ws.ws_mm(x2, w, bias, wcfg, lora=lora)    # Hopper, 33..1023 tokens, enough tiles: warp-specialized
     N, KT = w.n, w.words.shape[0]
+    if config and config.get("num_warps", 4) % config.get("KS", 1):  # fewer warps than K slices: wrong sums (H100)
+        raise ValueError(f"the K-sliced kernel needs num_warps a multiple of KS, got {config}")
     cfg = dict(config or mm_config(M, N, K))
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
     RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if "KS" in cfg:  # K sliced inside the program: no split-K workspace
-        if cfg.get("num_warps", 4) % cfg["KS"]:  # fewer warps than slices gave wrong sums at BM = 1 (H100)
-            raise ValueError(f"the K-sliced kernel needs num_warps a multiple of KS, got {cfg}")
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
-            x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N,
-            w.words.shape[1], K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP,
-            USE_ASM=asm, **cfg)
+            x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N, w.words.shape[1],
+            K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
         return y
     split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
     grid = (-(-N // BN), -(-M // BM), split)
@@ -448,9 +447,8 @@ def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
         return dequantize_ref(w, dtype)
     out = torch.empty(w.n, w.k, dtype=torch.bfloat16, device=w.words.device)
     KT, tpp = w.words.shape[0], 4
-    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n,
-                                                           w.words.shape[1], w.k, KT, BN=64, TPP=tpp,
-                                                           USE_ASM=not INTERPRET, num_warps=4)
+    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n, w.words.shape[1],
+                                                           w.k, KT, BN=64, TPP=tpp, USE_ASM=not INTERPRET, num_warps=4)
     return out.to(dtype)
 
 
