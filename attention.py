@@ -2,7 +2,7 @@
 
     pytest tests/test_attention.py                     # the kernel against the reference (CPU: TRITON_INTERPRET=1)
     python bench.py kernels --parts attn               # H100: the kernel against torch SDPA at the rollout's sizes
-    python bench.py profile --attn-ab --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
+    python bench.py profile --ab attn --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
 
 A decode step's attention reads every key and value of every sequence once (2 * B * kv_heads * kv * head_dim bf16)
 and little else: a streaming kernel. A program takes one KV head of one sequence, with all the query heads of its

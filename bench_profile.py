@@ -6,7 +6,8 @@
     ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
     python bench.py one --shape qkv --m 256 --iters 200          # also: host time per call, ours vs F.linear
     python bench.py profile --prefill --batches 1        # host time of the eager prefill, NVFP4 vs bf16 (cProfile)
-    python bench.py profile --attn-ab --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
+    python bench.py profile --ab attn --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
+    python bench.py profile --ab silu --batches 1,8,16,32 # decode step with SiLU x up in gate_up's epilogue or not
 """
 import json
 import statistics
@@ -23,8 +24,8 @@ def run(args):
     batches = [int(b) for b in args.batches.split(",")]
     if args.what == "one":
         return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters)
-    if args.attn_ab:
-        return attn_ab(args.size, batches)
+    if args.ab:
+        return engine_ab(args.size, batches, args.ab)
     if args.prefill:
         return profile_prefill(args.size, batches[0])
     if args.train:
@@ -106,24 +107,30 @@ def profile_prefill(size: str, B: int, prompt: int = 256):
         torch.cuda.empty_cache()
 
 
-def attn_ab(size: str, batches, prompt: int = 256, new_tokens: int = 512, reps: int = 3):
-    """The engine's decode step with attention.decode_attention and with torch SDPA, same run: two engines on one
-    model, their graphs captured once each, then generate calls alternated; decode step = (a 512-token call - a
-    1-token call) / 511, the median over `reps` pairs. NVFP4 and bf16, so the ratio of the two is also shown."""
+def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int = 512, reps: int = 3):
+    """The engine's decode step with a knob on and off, same run: two engines on one model, their graphs captured
+    once each (the knob set as named), then generate calls alternated; decode step = (a 512-token call - a 1-token
+    call) / 511, the median over `reps` pairs. knob attn: attention.decode_attention vs torch SDPA (NVFP4 and bf16,
+    so the ratio of the two is also shown); silu: SiLU x up in gate_up's epilogue (kernels.nvfp4_mm(gated=)) vs
+    ops.silu_mul after it (NVFP4)."""
     import attention
+    import kernels
     import rollout
 
-    usable, step = attention.usable, {}
-    for base in ("nvfp4", "bf16"):
+    usable, gmax, step = attention.usable, kernels.GATED_MAX_M, {}
+    knobs = {"attn": {"kernel": lambda: None, "sdpa": lambda: setattr(attention, "usable", lambda *a, **k: False)},
+             "silu": {"epilogue": lambda: None, "separate": lambda: setattr(kernels, "GATED_MAX_M", 0)}}[knob]
+    names = list(knobs)
+    for base in ("nvfp4", "bf16") if knob == "attn" else ("nvfp4",):
         m = random_model(size, base == "nvfp4")
         for B in batches:
             P = torch.randint(0, 150000, (B, prompt)).tolist()
-            engs, ts = {}, {"kernel": [], "sdpa": []}
-            for name in ts:
-                attention.usable = usable if name == "kernel" else (lambda *a, **k: False)
+            engs, ts = {}, {name: [] for name in names}
+            for name, setup in knobs.items():
+                setup()
                 engs[name] = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 engs[name].generate(P, max_new_tokens=new_tokens, stop_token_ids=[])        # capture its graphs
-            attention.usable = usable
+                attention.usable, kernels.GATED_MAX_M = usable, gmax
             for _ in range(reps):
                 for name, eng in engs.items():
                     walls = []
@@ -136,14 +143,14 @@ def attn_ab(size: str, batches, prompt: int = 256, new_tokens: int = 512, reps: 
                     ts[name].append(1e3 * (walls[0] - walls[1]) / (new_tokens - 1))
             for name in ts:
                 step[(base, B, name)] = statistics.median(ts[name])
-            print(f"{size} {base} batch {B}: decode step {step[(base, B, 'kernel')]:.3f} ms with decode_attention, "
-                  f"{step[(base, B, 'sdpa')]:.3f} ms with SDPA (medians of {reps}: {ts})")
+            print(f"{size} {base} batch {B}: decode step " + ", ".join(f"{step[(base, B, n)]:.3f} ms {n}" for n in names)
+                  + f" ({step[(base, B, names[1])] / step[(base, B, names[0])]:.3f}x; medians of {reps}: {ts})")
             del engs
             torch.cuda.empty_cache()
         del m
         torch.cuda.empty_cache()
-    for B in batches:
-        r = [step[("bf16", B, n)] / step[("nvfp4", B, n)] for n in ("kernel", "sdpa")]
+    for B in batches if knob == "attn" else ():
+        r = [step[("bf16", B, n)] / step[("nvfp4", B, n)] for n in names]
         print(f"batch {B}: NVFP4 / bf16 decode speed {r[0]:.2f}x with decode_attention, {r[1]:.2f}x with SDPA")
 
 

@@ -52,6 +52,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
 WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
+GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, kernels_ws): nvfp4_mm(gated=) pays
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -224,9 +225,18 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
 
     @triton.jit
+    def _rows(pid_n, BN: tl.constexpr, UP, GATED: tl.constexpr):
+        # a program's BN weight rows: consecutive, or (GATED) BN / 2 gate rows c and the up rows UP + c beside them
+        if GATED:
+            j = tl.arange(0, BN)
+            return pid_n * (BN // 2) + j % (BN // 2) + tl.where(j < BN // 2, 0, UP)
+        return pid_n * BN + tl.arange(0, BN)
+
+    @triton.jit
     def _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
-               RP: tl.constexpr, USE_ASM: tl.constexpr):
+               RP: tl.constexpr, USE_ASM: tl.constexpr, GATED: tl.constexpr, I):
         # y = acc (BN, BM) fp32 + bias + the LoRA term B @ xa^T (xa = x @ A^T: (M, R), B: (N, R), R <= RP), rounded once
+        # GATED (rows as _rows): y = silu(gate) * up (M, I) of that rounded output, rounded as ops.silu_mul does
         if RP > 0:
             r = tl.arange(0, RP)
             bt = tl.load(lb_ptr + n[:, None] * R + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
@@ -234,16 +244,25 @@ if triton is not None:
             acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=(n[:, None] < N) & (m[None, :] < M))
+        dt = y_ptr.dtype.element_ty
+        if GATED:
+            h: tl.constexpr = n.shape[0] // 2
+            y = tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, h, m.shape[0])), (1, 2, 0))  # (BN/2, BM, 2)
+            g, u = tl.split(y)                                                          # (BN/2, BM) each
+            c, _ = tl.split(tl.permute(tl.reshape(n, (2, h)), (1, 0)))                  # (BN/2,) gate rows
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            tl.store(y_ptr + m[None, :] * stride_ym + c[:, None], (s * u).to(dt), mask=(c[:, None] < I) & (m[None, :] < M))
+        else:
+            tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(dt), mask=(n[:, None] < N) & (m[None, :] < M))
 
     @triton.jit
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0):
+                         USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
+                         GATED: tl.constexpr = False, UP=0, I=0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n = pid_n * BN + tl.arange(0, BN)                                    # rows of W (output features)
+        n = _rows(pid_n, BN, UP, GATED)                                      # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
         kk = tl.arange(0, 128)
         t0 = pid_k * TILES_PER_SPLIT
@@ -281,20 +300,21 @@ if triton is not None:
                 for s in range(0, SPLIT_K):
                     acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
                                    mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
         else:
-            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
     def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, M, N, NP, K, KT, stride_xm,
                             stride_ym, R, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0):
+                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
+                            GATED: tl.constexpr = False, UP=0, I=0):
         # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch index of a 3-D dot
         # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end, so no
         # workspace, counter or second pass over partial sums
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        n = pid_n * BN + tl.arange(0, BN)                                                 # rows of W
+        n = _rows(pid_n, BN, UP, GATED)                                                   # rows of W
         m = pid_m * BM + tl.arange(0, BM)                                                 # tokens
         ks, kk = tl.arange(0, KS), tl.arange(0, 128)
         acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
@@ -310,7 +330,7 @@ if triton is not None:
             xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
             acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)                   # (KS, BN, BM) fp32
         acc = tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))       # (BN, BM)
-        _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM)
+        _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
@@ -401,14 +421,18 @@ def lora_args(x2: torch.Tensor, w: NVFP4Weight, lora):
 
 
 def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None,
-             lora=None):
+             lora=None, gated: int = 0):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
 
     config: a dict as mm_config returns (BM, BN, SPLIT_K, ... or, for the K-sliced kernel, BM, BN, KS, ...).
     lora=(xa, B): also add xa @ B^T in the epilogue (xa = x @ A^T (M, R), B (N, R), R <= 128; the rollout's LoRA).
+    gated=I: w is a fused gate_up (gate rows [0, N/2), up rows [N/2, N)); returns silu(gate) * up (M, I), I <= N/2,
+    from the epilogue (Triton GEMMs only: GATED_MAX_M tokens at most is where they run for gate_up).
     use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
     (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
-    ws = _ws() if config is None and M > WS_MIN_M and use_asm is None else None
+    if gated and not (0 < gated <= w.n // 2 and w.n % 256 == 0):
+        raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike (N = {w.n})")
+    ws = _ws() if config is None and M > WS_MIN_M and use_asm is None and not gated else None
     if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
         return ws.ws_mm(x2, w, bias, wcfg, lora=lora)    # Hopper, 33..1023 tokens, enough tiles: warp-specialized
     N, KT = w.n, w.words.shape[0]
@@ -417,7 +441,8 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     cfg = dict(config or mm_config(M, N, K))
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
     RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
-    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    y = torch.empty(M, gated or N, dtype=x2.dtype, device=x2.device)
+    cfg.update(GATED=bool(gated), UP=N // 2 if gated else 0, I=gated)  # gated: BN / 2 rows of each half, same grid
     if "KS" in cfg:  # K sliced inside the program: no split-K workspace
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
             x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N, w.words.shape[1],

@@ -118,18 +118,26 @@ def lora_term(lins, pads, x2, y, training):
     return torch.cat(outs, 1)
 
 
-def base_linear(mod, x, qw):
+def epilogue_path(qw, x) -> bool:
+    """Whether generation runs this NVFP4 linear through kernels.nvfp4_mm, whose epilogue adds the LoRA snapshot
+    (and, for gate_up, can apply SiLU x up): Triton, bf16, no autograd, fewer than LARGE_M tokens."""
+    return qw is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
+        and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled()
+
+
+def base_linear(mod, x, qw, gated: int = 0):
     """x (M, in) -> (M, rows), a fresh tensor: the frozen base, NVFP4 through kernels (on CPU the reference, with the
     dequantized weight cached) or bf16, plus the generation snapshot of its LoRA (mod.snap, lora.snapshot): added in
-    the NVFP4 GEMM's epilogue where that runs, else accumulated in place like the training adapters (lora.add_term)."""
+    the NVFP4 GEMM's epilogue where that runs, else accumulated in place like the training adapters (lora.add_term).
+    gated=n (epilogue path only): silu(gate) * up (M, n) of a fused gate_up instead (kernels.nvfp4_mm)."""
     if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
         if getattr(mod, "_deq", None) is None:
             mod._deq = kernels.dequantize_ref(qw, x.dtype)
         y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
-    elif qw is not None and mod.snap is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
-            and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled():
+    elif (mod.snap is not None or gated) and epilogue_path(qw, x):
         x = x.contiguous()
-        return kernels.nvfp4_mm(x, qw, mod.bias, lora=(x @ mod.snap[0].t(), mod.snap[1]))
+        snap = None if mod.snap is None else (x @ mod.snap[0].t(), mod.snap[1])
+        return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)
     elif qw is not None:
         y = kernels.nvfp4_linear(x, qw, mod.bias)
     else:
@@ -163,11 +171,13 @@ class Fused(nn.Module):
                 lin.weight = self.weight[off:off + p]
             off += p
 
+    def qw(self):
+        return None if self.words is None else \
+            kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features)
+
     def forward(self, x, lins, raw: bool = False):                            # -> one output per member
-        qw = kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features) \
-            if self.words is not None else None
         x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, qw)                                         # (M, rows)
+        y = base_linear(self, x2, self.qw())                                  # (M, rows)
         if self.snap is None:
             y = lora_term(lins, self.pads, x2, y, self.training)
         y, outs, off = y.view(*x.shape[:-1], -1), [], 0
@@ -239,8 +249,7 @@ class Layer(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
-        gu = gate_up(m, x)                                                    # (B, T, rows): gate, then up
-        return h, m.down_proj(silu_mul(gu, cfg.intermediate_size, gu.shape[-1] // 2))
+        return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size))
 
 
 def project(mod, names, x):
@@ -248,6 +257,19 @@ def project(mod, names, x):
     lins = [getattr(mod, n) for n in names]
     fused = getattr(mod, "fused", None)
     return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
+
+
+def mlp_act(mlp, x, n: int):
+    """silu(gate) * up (..., n): in one NVFP4 GEMM where generation runs the fused gate_up through the Triton GEMMs
+    (the epilogue applies it: one launch less a layer; same bits) and its LoRA, if any, is the snapshot; else gate_up
+    then ops.silu_mul."""
+    fused, x2 = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1])
+    lins = (mlp.gate_proj, mlp.up_proj)
+    if fused is not None and x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(fused.qw(), x2) and \
+            fused.pads[0] == fused.pads[1] and (fused.snap is not None or not any(lin.lora_A is not None and lin.lora_on for lin in lins)):
+        return base_linear(fused, x2, fused.qw(), gated=n).view(*x.shape[:-1], n)
+    gu = gate_up(mlp, x)                                                      # (..., rows): gate, then up
+    return silu_mul(gu, n, gu.shape[-1] // 2)
 
 
 def gate_up(mlp, x):

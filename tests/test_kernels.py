@@ -277,6 +277,24 @@ def test_gemm_lora_epilogue(device, M, R, split):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("M,cfg,R", [(1, None, 0), (3, dict(BM=4, BN=32, KS=4, num_warps=4, num_stages=2), 24),
+                                     (16, None, 0), (20, dict(BM=32, BN=64, SPLIT_K=4, num_warps=4, num_stages=2), 24)])
+def test_gemm_gated_silu_epilogue(device, M, cfg, R):
+    """gated=I returns silu(gate) * up from the epilogue: the same bits as the GEMM's output through ops.silu_mul
+    (gate rows [0, 128), up rows [128, 256), I = 100 real columns each), K-sliced and split-K, with a LoRA term."""
+    w, _ = make_weight(256, 384, seed=M, device=device)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 384, generator=g).to(device, torch.bfloat16)
+    lora = (torch.randn(M, R, generator=g).to(device, torch.bfloat16),
+            (0.1 * torch.randn(256, R, generator=g)).to(device, torch.bfloat16)) if R else None
+    y = K.nvfp4_mm(x, w, config=cfg, lora=lora, gated=100)
+    want = ops.silu_mul(K.nvfp4_mm(x, w, config=cfg, lora=lora), 100, 128)
+    assert y.shape == (M, 100) and torch.equal(y, want), (y.float() - want.float()).abs().max()
+    with pytest.raises(ValueError, match="gated"):
+        K.nvfp4_mm(x, w, gated=129)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dequant_kernel(device):
     w, (packed, scale, gs) = make_weight(80, 272, seed=1, device=device)
     got = K.dequantize(w)

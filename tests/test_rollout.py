@@ -170,10 +170,11 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
         for p in params[1::2]:
             p.normal_(0, 0.5)
     calls = []
-    monkeypatch.setattr(R.M.kernels, "nvfp4_mm", lambda *a, **k: calls.append("lora" in k) or K_mm(*a, **k))
+    monkeypatch.setattr(R.M.kernels, "nvfp4_mm",
+                        lambda *a, **k: calls.append((k.get("lora") is not None, k.get("gated", 0))) or K_mm(*a, **k))
     eng = R.Engine(m, max_batch=4, max_len=64)
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
-    assert any(calls)                                    # the epilogue path really ran
+    assert all(lo for lo, _ in calls) and any(g for _, g in calls)  # the epilogue path ran, SiLU x up in gate_up's
     for s in out:
         assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol=0.1)
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
