@@ -8,7 +8,9 @@ A decode step's attention reads every key and value of every sequence once (2 * 
 and little else: a streaming kernel. A program takes one KV head of one sequence, with all the query heads of its
 GQA group as the rows of one tile (padded to 16 for the tensor cores), and one chunk of the keys; where a sequence
 has several chunks (few sequences: more programs to fill the SMs), a second launch merges their softmax partials
-(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. Used by model.py for decode
+(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. In a decode step the kernel also
+applies RoPE to q and the new key and writes the new key and value to the cache (the program whose chunk holds their
+slot; it counts them from registers), so ops.rope_cache needs no launch of its own. Used by model.py for decode
 steps (one new token a row, with a cache); the prefill and training keep torch SDPA. Leaves out: sliding windows,
 soft-capping, ALiBi; head_dim that is not a power of two and fp32 fall back to the reference.
 """
@@ -17,9 +19,12 @@ import math
 import torch
 
 from kernels import INTERPRET, _use_triton, triton
+from ops import rope_cache
 
 if triton is not None:
     import triton.language as tl
+
+    from ops import _rotate
 
 
 def decode_attention_ref(q, k, v, valid, scale: float):
@@ -37,22 +42,51 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, o_ptr, part_ptr, ml_ptr, S, CHUNK, HK, G, qk_scale,
                             sqb, sqh, skb, skh, sks, svb, svh, svs, sval, sob, soh,
+                            kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, sknb, sknh, svnb, svnh, scb,
                             D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                            F32: tl.constexpr):
+                            F32: tl.constexpr, ROPE: tl.constexpr = False):
         bh, c = tl.program_id(0), tl.program_id(1)        # (sequence, KV head), chunk of the keys
         b, hk = (bh // HK).to(tl.int64), bh % HK
         g, d = tl.arange(0, GP), tl.arange(0, D)
         hq = hk * G + g                                   # (GP,) the GQA group's query heads
-        q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)  # (GP, D)
         kb, vb = k_ptr + b * skb + hk * skh, v_ptr + b * svb + hk * svh
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, S)
+        slot = -1
+        if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's numerics), write the new
+            # key and value to the cache, and count them from registers (the loop skips their slot)
+            dt = q_ptr.dtype.element_ty
+            e = tl.arange(0, D // 2)
+            cp, sp = cos_ptr + b * scb + e, sin_ptr + b * scb + e
+            c1, c2 = tl.load(cp).to(tl.float32), tl.load(cp + D // 2).to(tl.float32)                   # (D/2,)
+            s1, s2 = tl.load(sp).to(tl.float32), tl.load(sp + D // 2).to(tl.float32)
+            qp = q_ptr + b * sqb + hq[:, None] * sqh + e[None, :]
+            q1 = tl.load(qp, mask=(g < G)[:, None], other=0.0).to(tl.float32)                      # (GP, D/2)
+            q2 = tl.load(qp + D // 2, mask=(g < G)[:, None], other=0.0).to(tl.float32)
+            q1, q2 = _rotate(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dt, False)
+            q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
+            slot = tl.load(slot_ptr)
+            if (slot >= lo) & (slot < hi):               # this chunk holds the new slot: one program per (b, hk)
+                kp = kn_ptr + b * sknb + hk * sknh + e
+                k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2,
+                                 dt, False)
+                vn = tl.load(vn_ptr + b * svnb + hk * svnh + d)                                      # (D,)
+                tl.store(kb + slot * sks + e, k1.to(dt))
+                tl.store(kb + slot * sks + D // 2 + e, k2.to(dt))
+                tl.store(vb + slot * svs + d, vn)
+                kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)), (D,)).to(tl.float32)
+                if tl.load(valid_ptr + b * sval + slot) != 0:
+                    m_i = tl.sum(q.to(tl.float32) * kn[None, :], 1) * qk_scale                     # (GP,)
+                    l_i += 1.0
+                    acc += vn.to(tl.float32)[None, :]
+        else:
+            q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)  # (GP, D)
         for n0 in tl.range(lo, hi, BN):
             n = n0 + tl.arange(0, BN)                                                       # (BN,)
-            ok = (n < hi) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
+            ok = (n < hi) & (n != slot) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
             kt = tl.load(kb + n[:, None] * sks + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
             vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
             if F32:  # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
@@ -116,17 +150,32 @@ def usable(x, head_dim: int) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
 
 
-def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
+def rope_fusable(q, new) -> bool:
+    """Whether decode_attention(new=...) rotates and writes the new key in its kernel (else ops.rope_cache first)."""
+    kn, vn, cos, sin, slots = new
+    return (slots.numel() == 1 and cos.stride() == sin.stride() and cos.dtype == q.dtype
+            and all(t.stride(-1) == 1 for t in (kn, vn, cos)))
+
+
+def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, new=None):
     """decode_attention_ref with the Triton kernel (CUDA, and CPU under TRITON_INTERPRET=1), else the reference.
     config: dict(chunks=key chunks per (sequence, KV head) (more than one adds a merge launch), block=keys a loop
-    step (a power of two >= 16), warps, stages (pipeline depth)); default config_for's."""
+    step (a power of two >= 16), warps, stages (pipeline depth)); default config_for's.
+    new=(k_new (B, HK, D), v_new, cos (B, D), sin, slots (1,)): a decode step's new key and value, q and k_new not
+    rotated yet, k and v views of the caches: RoPE on q and k_new, k_new and v_new written to the caches at slots,
+    then attention, in the one kernel (as ops.rope_cache followed by the attention; that where it cannot)."""
     B, HQ, T, D = q.shape
     HK, S = k.shape[1], k.shape[2]
     if T != 1 or HQ % HK or valid.shape != (B, S):
         raise ValueError(f"decode attention takes q (B, HQ, 1, D), k/v (B, HK, S, D), valid (B, S); got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(valid.shape)}")
-    if not (usable(q, D) and k.dtype == v.dtype == q.dtype and valid.dtype == torch.bool and HQ // HK <= 64
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+    ok = (usable(q, D) and k.dtype == v.dtype == q.dtype and valid.dtype == torch.bool and HQ // HK <= 64
+          and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+    if new is not None and not (ok and rope_fusable(q, new)):
+        kn, vn, cos, sin, slots = new
+        q = rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, None], sin[:, None], k, v, slots)
+        new = None
+    if not ok:
         return decode_attention_ref(q, k, v, valid, scale)
     G = HQ // HK
     cfg = {**config_for(B * HK, S), **(config or {})}
@@ -138,11 +187,14 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None):
     part = torch.empty(B * HQ * nc * D if nc > 1 else 1, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * HQ * nc * 2 if nc > 1 else 1, dtype=torch.float32, device=q.device)
     vb = valid.view(torch.uint8)
+    rope = new if new is not None else (q, q, q, q, valid)   # (unused without new)
     _decode_attn_kernel[(B * HK, nc)](
         q, k, v, vb, o, part, ml, S, chunk, HK, G, scale * math.log2(math.e), q.stride(0), q.stride(1),
-        *k.stride()[:3], *v.stride()[:3], vb.stride(0), o.stride(0), o.stride(1),
+        *k.stride()[:3], *v.stride()[:3], vb.stride(0), o.stride(0), o.stride(1), *rope,
+        *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1), rope[2].stride(0))
+          if new is not None else (0,) * 5),
         D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2, F32=INTERPRET,
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"])
     if nc > 1:
         _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
                                         CP=max(2, triton.next_power_of_2(nc)), num_warps=1)

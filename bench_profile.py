@@ -8,6 +8,7 @@
     python bench.py profile --prefill --batches 1        # host time of the eager prefill, NVFP4 vs bf16 (cProfile)
     python bench.py profile --ab attn --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
     python bench.py profile --ab silu --batches 1,8,16,32 # decode step with SiLU x up in gate_up's epilogue or not
+    python bench.py profile --ab rope --batches 1,16,64   # decode step with RoPE + cache write in the attention or not
 """
 import json
 import statistics
@@ -112,14 +113,17 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
     once each (the knob set as named), then generate calls alternated; decode step = (a 512-token call - a 1-token
     call) / 511, the median over `reps` pairs. knob attn: attention.decode_attention vs torch SDPA (NVFP4 and bf16,
     so the ratio of the two is also shown); silu: SiLU x up in gate_up's epilogue (kernels.nvfp4_mm(gated=)) vs
-    ops.silu_mul after it (NVFP4)."""
+    ops.silu_mul after it (NVFP4); rope: RoPE and the cache write inside the attention kernel vs ops.rope_cache
+    (NVFP4)."""
     import attention
     import kernels
     import rollout
 
-    usable, gmax, step = attention.usable, kernels.GATED_MAX_M, {}
+    usable, fusable, gmax, step = attention.usable, attention.rope_fusable, kernels.GATED_MAX_M, {}
     knobs = {"attn": {"kernel": lambda: None, "sdpa": lambda: setattr(attention, "usable", lambda *a, **k: False)},
-             "silu": {"epilogue": lambda: None, "separate": lambda: setattr(kernels, "GATED_MAX_M", 0)}}[knob]
+             "silu": {"epilogue": lambda: None, "separate": lambda: setattr(kernels, "GATED_MAX_M", 0)},
+             "rope": {"in-kernel": lambda: None,
+                      "separate": lambda: setattr(attention, "rope_fusable", lambda *a, **k: False)}}[knob]
     names = list(knobs)
     for base in ("nvfp4", "bf16") if knob == "attn" else ("nvfp4",):
         m = random_model(size, base == "nvfp4")
@@ -130,7 +134,7 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
                 setup()
                 engs[name] = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 engs[name].generate(P, max_new_tokens=new_tokens, stop_token_ids=[])        # capture its graphs
-                attention.usable, kernels.GATED_MAX_M = usable, gmax
+                attention.usable, attention.rope_fusable, kernels.GATED_MAX_M = usable, fusable, gmax
             for _ in range(reps):
                 for name, eng in engs.items():
                     walls = []

@@ -227,10 +227,10 @@ if triton is not None:
     @triton.jit
     def _rows(pid_n, BN: tl.constexpr, UP, GATED: tl.constexpr):
         # a program's BN weight rows: consecutive, or (GATED) BN / 2 gate rows c and the up rows UP + c beside them
+        j = tl.arange(0, BN)
         if GATED:
-            j = tl.arange(0, BN)
             return pid_n * (BN // 2) + j % (BN // 2) + tl.where(j < BN // 2, 0, UP)
-        return pid_n * BN + tl.arange(0, BN)
+        return pid_n * BN + j
 
     @triton.jit
     def _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
@@ -245,15 +245,12 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
         dt = y_ptr.dtype.element_ty
-        if GATED:
+        if GATED:  # the (BN, BM) tile is gate rows c, then up rows UP + c (_rows): store (BN/2, BM) at columns c
             h: tl.constexpr = n.shape[0] // 2
-            y = tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, h, m.shape[0])), (1, 2, 0))  # (BN/2, BM, 2)
-            g, u = tl.split(y)                                                          # (BN/2, BM) each
-            c, _ = tl.split(tl.permute(tl.reshape(n, (2, h)), (1, 0)))                  # (BN/2,) gate rows
-            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            tl.store(y_ptr + m[None, :] * stride_ym + c[:, None], (s * u).to(dt), mask=(c[:, None] < I) & (m[None, :] < M))
-        else:
-            tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(dt), mask=(n[:, None] < N) & (m[None, :] < M))
+            g, u = tl.split(tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, h, m.shape[0])), (1, 2, 0)))
+            c, _ = tl.split(tl.permute(tl.reshape(n, (2, h)), (1, 0)))                  # (BN/2,)
+            acc, n, N = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u, c, I
+        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(dt), mask=(n[:, None] < N) & (m[None, :] < M))
 
     @triton.jit
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,

@@ -237,15 +237,18 @@ class Layer(nn.Module):
         k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
-        if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel; read kv_len slots
-            q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
-            k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+        if mask.dim() == 2:   # a decode step (valid keys (B, S), one new token a row): RoPE, the cache write of the
+            # new key and value and the attention over kv_len slots in one kernel
+            ck, cv = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+            o = attention.decode_attention(q.transpose(1, 2), ck, cv, mask, cfg.head_dim ** -0.5,
+                                           new=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
         else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
-        if mask.dim() == 2:   # a decode step (valid keys (B, S)): one new token a row
-            o = attention.decode_attention(q, k, v, mask, cfg.head_dim ** -0.5)
-        else:
+            if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel
+                q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
+                k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+            else:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+                q, k = rope(q, cos, sin), rope(k, cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)

@@ -59,6 +59,38 @@ def test_decode_attention_matches_reference(B, HQ, HK, S, D, chunks, block, dtyp
     assert (sdpa - ref.float()).abs().max().item() <= 2.0 ** -8 * v.float().abs().max().item()
 
 
+@pytest.mark.parametrize("B,HQ,HK,S,D,chunks,slot,slot_valid", [
+    (1, 4, 2, 70, 16, 3, 69, True), (2, 7, 1, 130, 32, None, 64, True), (3, 8, 4, 40, 16, 1, 39, True),
+    (2, 4, 2, 100, 16, 4, 50, False)] + ([(16, 28, 4, 600, 128, None, 599, True)] if CUDA else []))
+def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slot, slot_valid):
+    """new=(k_new, v_new, cos, sin, slots): the kernel rotates q and the new key, writes the new key and value to the
+    cache views (the same bits as ops.rope_cache) and counts them from registers; the output matches rope_cache
+    followed by the attention. Slots in the last chunk and inside the chunks, and a new slot masked out."""
+    import ops
+    g = torch.Generator().manual_seed(S + HQ)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(DEV, torch.bfloat16)
+    kn, vn = torch.randn(2, B, HK, D, generator=g).to(DEV, torch.bfloat16)
+    pos = torch.randint(0, 4000, (B, 1), generator=g).to(DEV)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    cos, sin = ops.rope_cos_sin(inv, pos, torch.bfloat16)                     # (B, 1, 1, D)
+    cache = torch.randn(2, B, HK, S + 5, D, generator=g).to(DEV, torch.bfloat16)
+    two = cache.clone()
+    valid = torch.rand(B, S, generator=g).to(DEV) > 0.25
+    valid[:, slot] = slot_valid
+    slots = torch.tensor([slot], device=DEV)
+    cfg = None if chunks is None else dict(chunks=chunks, block=16, warps=4, stages=2)
+    with torch.no_grad():
+        assert A.rope_fusable(q, (kn, vn, cos[:, 0, 0], sin[:, 0, 0], slots))
+        out = A.decode_attention(q, cache[0, :, :, :S], cache[1, :, :, :S], valid, D ** -0.5, cfg,
+                                 new=(kn, vn, cos[:, 0, 0], sin[:, 0, 0], slots))
+        qr = ops.rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], two[0], two[1], slots)
+        want = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5, cfg)
+    assert torch.equal(cache, two)                                            # the same cache write
+    err = (out.float() - want.float()).abs().max().item()
+    print(f"decode attention + RoPE {DEV} B={B} HQ={HQ} S={S} slot={slot}: max |fused - separate| {err:.3g}")
+    assert err <= tolerance(cache[1], DEV)
+
+
 def test_decode_attention_input_checks_and_fallback():
     q, k = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16), torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     valid = torch.ones(1, 8, dtype=torch.bool)
