@@ -194,7 +194,7 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
         *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1), rope[2].stride(0))
           if new is not None else (0,) * 5),
         D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2, F32=INTERPRET,
-        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"])
+        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"], enable_fp_fusion=new is None)
     if nc > 1:
         _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
                                         CP=max(2, triton.next_power_of_2(nc)), num_warps=1)

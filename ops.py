@@ -54,8 +54,9 @@ def apply_rope(x, cos, sin):
 if triton is not None:
     @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, BACKWARD: tl.constexpr):
-        # the two halves of a rotated head vector, each product rounded to dt as in torch's op-by-op reference (bf16:
-        # within an ulp of it); BACKWARD: the transpose, dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+        # the two halves of a rotated head vector, each product rounded to dt as in torch's op-by-op reference (exact
+        # where the kernel is compiled with enable_fp_fusion=False: else a product and the sum can become one FMA);
+        # BACKWARD: the transpose, dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
         if BACKWARD:
             o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
             o2 = (x2 * c2).to(dt).to(tl.float32) + (-(x1 * s1)).to(dt).to(tl.float32)
@@ -89,7 +90,8 @@ def _rope_launch(x, cos, sin, backward: bool):
     hb = min(8, triton.next_power_of_2(Hh))
     _rope_kernel[(B * T, triton.cdiv(Hh, hb))](x, cos, sin, y, T, Hh, x.stride(0), x.stride(1), x.stride(2),
                                                cos.stride(0), cos.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4)
+                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4,
+                                               enable_fp_fusion=False)  # no FMA: each product rounded (HF's numerics)
     return y
 
 
@@ -170,7 +172,7 @@ def rope_cache(q, k, v, cos, sin, cache_k, cache_v, slots):
     qo = torch.empty(B, HQ, T, D, dtype=q.dtype, device=q.device)
     _rope_cache_kernel[(B * T, HQ + 2 * HK)](
         q, k, v, cos, sin, qo, cache_k, cache_v, slots, T, HQ, HK, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1)
+        *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1, enable_fp_fusion=False)
     return qo
 
 

@@ -74,7 +74,7 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
     inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
     cos, sin = ops.rope_cos_sin(inv, pos, torch.bfloat16)                     # (B, 1, 1, D)
     cache = torch.randn(2, B, HK, S + 5, D, generator=g).to(DEV, torch.bfloat16)
-    two = cache.clone()
+    two, ref = cache.clone(), cache.clone()
     valid = torch.rand(B, S, generator=g).to(DEV) > 0.25
     valid[:, slot] = slot_valid
     slots = torch.tensor([slot], device=DEV)
@@ -86,6 +86,9 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
         qr = ops.rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], two[0], two[1], slots)
         want = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5, cfg)
     assert torch.equal(cache, two)                                            # the same cache write
+    if CUDA:  # the rotation rounds each product as torch's ops do (no FMA): the reference's bits
+        ops.rope_cache_ref(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], ref[0], ref[1], slots)
+        assert torch.equal(cache, ref)
     err = (out.float() - want.float()).abs().max().item()
     print(f"decode attention + RoPE {DEV} B={B} HQ={HQ} S={S} slot={slot}: max |fused - separate| {err:.3g}")
     assert err <= tolerance(cache[1], DEV)
