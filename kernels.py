@@ -359,19 +359,13 @@ def _workspace(device, floats: int, tiles: int):
 
 
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
-    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (see KERNELS.md).
-
-    Up to 8 tokens (sliced=True) the K-sliced kernel: BM = M rounded up to a power of two, 4 K slices (4 warps, 4
-    stages), 16 weight rows (32 for many row tiles: gate_up); 1.03-1.5x faster than split-K (`--sweep ks`). Otherwise
-    BM covers the tokens (the tensor-core N side), BN the weight rows. M <= 64 is bandwidth- and latency-bound: 64-row
-    tiles (128 up to 8 tokens where 64 would split K: qkv / o / down at M = 1), K split until there are enough
-    programs per SM to hide latency (7 per SM at M <= 16, 2.5 up to 64); a split keeps >= 2 K tiles, and at 17..64
-    tokens a long K (down_proj) is split up to one full wave of 3 programs per SM while each split keeps >= 16 K
-    tiles (down at M = 64: 7 splits, 1.11x faster than 4). Above 64 tokens the GEMM is compute-bound and wave
-    quantization decides: a long K with few 128 x 128 tiles splits K to fill one wave of them; 128 x 128 tiles (8
-    warps, one program per SM) when they fill their last wave >= 75%; else 128 x 64 tiles if they fit one wave
-    (split in 2 when that still does); else 64 x 64 tiles (3 programs per SM). PEEL (the first K tile outside the
-    loop, so ptxas keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split (KERNELS.md)."""
+    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (the branches' comments say why;
+    KERNELS.md has the measurements). Up to 8 tokens (sliced=True): the K-sliced kernel, 4 slices on 4 warps, 16
+    weight rows (32 where row tiles are many). Else BM covers the tokens (the tensor cores' N side) and BN the weight
+    rows: at M <= 64 (bandwidth- and latency-bound) K is split until enough programs per SM hide the latency (7 at
+    M <= 16, 2.5 up to 64, each split >= 2 K tiles; at 17..64 tokens a long K up to one wave of 3 an SM, >= 16 K tiles
+    each); above 64 (compute-bound) wave quantization picks the tile. PEEL (the first K tile outside the loop: ptxas
+    keeps the wgmmas in flight) pays above 16 tokens with >= 8 K tiles per split."""
     KT, cdiv = -(-K // 128), lambda a, b: -(-a // b)
     if sliced and M <= 8:
         BN = 32 if cdiv(N, 16) >= 8 * sms else 16
