@@ -147,7 +147,8 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
                     ts[name].append(1e3 * (walls[0] - walls[1]) / (new_tokens - 1))
             for name in ts:
                 step[(base, B, name)] = statistics.median(ts[name])
-            print(f"{size} {base} batch {B}: decode step " + ", ".join(f"{step[(base, B, n)]:.3f} ms {n}" for n in names)
+            print(f"{size} {base} batch {B}: decode step "
+                  + ", ".join(f"{step[(base, B, n)]:.3f} ms {n}" for n in names)
                   + f" ({step[(base, B, names[1])] / step[(base, B, names[0])]:.3f}x; medians of {reps}: {ts})")
             del engs
             torch.cuda.empty_cache()

@@ -267,9 +267,9 @@ def mlp_act(mlp, x, n: int):
     (the epilogue applies it: one launch less a layer; same bits) and its LoRA, if any, is the snapshot; else gate_up
     then ops.silu_mul."""
     fused, x2 = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1])
-    lins = (mlp.gate_proj, mlp.up_proj)
+    lora_on = any(lin.lora_A is not None and lin.lora_on for lin in (mlp.gate_proj, mlp.up_proj))
     if fused is not None and x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(fused.qw(), x2) and \
-            fused.pads[0] == fused.pads[1] and (fused.snap is not None or not any(lin.lora_A is not None and lin.lora_on for lin in lins)):
+            fused.pads[0] == fused.pads[1] and (fused.snap is not None or not lora_on):
         return base_linear(fused, x2, fused.qw(), gated=n).view(*x.shape[:-1], n)
     gu = gate_up(mlp, x)                                                      # (..., rows): gate, then up
     return silu_mul(gu, n, gu.shape[-1] // 2)
