@@ -250,13 +250,6 @@ def weight_bytes(m) -> int:
     return total
 
 
-def step_weight_bytes(m, B: int) -> int:
-    """Weight bytes one decode step of B sequences reads: all of them but the embedding table, of which it gathers B
-    rows (unless the table is tied to the lm_head, which reads all of it)."""
-    emb = m.model.embed_tokens.weight
-    return weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size() * (1 - B / emb.shape[0]))
-
-
 def bench_model(out: dict, size: str = "7b"):
     """Weight memory, and a forward + backward over 8 x 1024 tokens with LoRA r32 and checkpointing."""
     import lora
@@ -299,6 +292,8 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
     rows = []
     for base in bases:
         m = random_model(size, base == "nvfp4")
+        emb = m.model.embed_tokens.weight  # a decode step gathers B rows of it (unless tied: the lm_head reads it all)
+        wb = weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())   # bytes a step reads
         for B in batches:
             try:
                 eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
@@ -309,16 +304,14 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
                 t0 = time.time()
                 outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
                 torch.cuda.synchronize()
-                dt = time.time() - t0
-                t0 = time.time()
+                dt, t0 = time.time() - t0, time.time()
                 eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)   # the prefill alone
                 torch.cuda.synchronize()
-                dt1 = time.time() - t0
-                toks = sum(len(o.tokens) for o in outs)
+                dt1, toks = time.time() - t0, sum(len(o.tokens) for o in outs)
                 kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
                 row = dict(size=size, base=base, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
                            decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
-                           roofline_ms=(step_weight_bytes(m, B) + kv) / (out.get("copy_GBps", 3000) * 1e6),
+                           roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
                            peak_GB=torch.cuda.max_memory_allocated() / 1e9)
                 del eng
             except torch.cuda.OutOfMemoryError:

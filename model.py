@@ -263,25 +263,19 @@ def project(mod, names, x):
 
 
 def mlp_act(mlp, x, n: int):
-    """silu(gate) * up (..., n): in one NVFP4 GEMM where generation runs the fused gate_up through the Triton GEMMs
-    (the epilogue applies it: one launch less a layer; same bits) and its LoRA, if any, is the snapshot; else gate_up
-    then ops.silu_mul."""
-    fused, x2 = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1])
-    lora_on = any(lin.lora_A is not None and lin.lora_on for lin in (mlp.gate_proj, mlp.up_proj))
-    if fused is not None and x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(fused.qw(), x2) and \
-            fused.pads[0] == fused.pads[1] and (fused.snap is not None or not lora_on):
-        return base_linear(fused, x2, fused.qw(), gated=n).view(*x.shape[:-1], n)
-    gu = gate_up(mlp, x)                                                      # (..., rows): gate, then up
+    """silu(gate) * up (..., n). Where generation runs the fused gate_up through the Triton GEMMs and its LoRA, if any,
+    is the snapshot: in that GEMM's epilogue (one launch less a layer; same bits). Else gate and up side by side (the
+    fused output as it is, both members padded alike, or the two outputs concatenated), then ops.silu_mul."""
+    fused, x2, lins = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1]), [mlp.gate_proj, mlp.up_proj]
+    if fused is None:
+        gu = torch.cat([lin(x) for lin in lins], -1)                           # (..., 2 n)
+        return silu_mul(gu, n, n)
+    qw, lora_on = fused.qw(), any(lin.lora_A is not None and lin.lora_on for lin in lins)
+    if x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(qw, x2) and fused.pads[0] == fused.pads[1] \
+            and (fused.snap is not None or not lora_on):
+        return base_linear(fused, x2, qw, gated=n).view(*x.shape[:-1], n)
+    gu = fused(x, lins, raw=True)                                              # (..., rows): gate, then up
     return silu_mul(gu, n, gu.shape[-1] // 2)
-
-
-def gate_up(mlp, x):
-    """gate and up side by side (..., 2 * rows) for silu_mul: the fused output as it is (both members padded alike),
-    or the two outputs concatenated."""
-    fused = getattr(mlp, "fused", None)
-    if fused is not None:
-        return fused(x, [mlp.gate_proj, mlp.up_proj], raw=True)
-    return torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], -1)
 
 
 class KVCache:
