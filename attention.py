@@ -69,6 +69,7 @@ if triton is not None:
             q1, q2 = _rotate(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dt, False)
             q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
             slot = tl.load(slot_ptr)
+            hi = tl.minimum(hi, slot + 1)                 # causal: the new token is the last key it sees
             if (slot >= lo) & (slot < hi):               # this chunk holds the new slot: one program per (b, hk)
                 kp = kn_ptr + b * sknb + hk * sknh + e
                 k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2,
@@ -163,7 +164,8 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
     step (a power of two >= 16), warps, stages (pipeline depth)); default config_for's.
     new=(k_new (B, HK, D), v_new, cos (B, D), sin, slots (1,)): a decode step's new key and value, q and k_new not
     rotated yet, k and v views of the caches: RoPE on q and k_new, k_new and v_new written to the caches at slots,
-    then attention, in the one kernel (as ops.rope_cache followed by the attention; that where it cannot)."""
+    then attention, in the one kernel (as ops.rope_cache followed by the attention; that where it cannot). The new
+    token attends to no key after its slot (causal), so the kernel reads the keys up to the slot only."""
     B, HQ, T, D = q.shape
     HK, S = k.shape[1], k.shape[2]
     if T != 1 or HQ % HK or valid.shape != (B, S):
@@ -174,7 +176,7 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
     if new is not None and not (ok and rope_fusable(q, new)):
         kn, vn, cos, sin, slots = new
         q = rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, None], sin[:, None], k, v, slots)
-        new = None
+        valid, new = valid & (torch.arange(S, device=valid.device) <= slots[-1]), None
     if not ok:
         return decode_attention_ref(q, k, v, valid, scale)
     G = HQ // HK

@@ -65,7 +65,8 @@ def test_decode_attention_matches_reference(B, HQ, HK, S, D, chunks, block, dtyp
 def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slot, slot_valid):
     """new=(k_new, v_new, cos, sin, slots): the kernel rotates q and the new key, writes the new key and value to the
     cache views (the same bits as ops.rope_cache) and counts them from registers; the output matches rope_cache
-    followed by the attention. Slots in the last chunk and inside the chunks, and a new slot masked out."""
+    followed by the attention over the keys up to the slot (causal: valid keys after it are left out). Slots in the
+    last chunk and inside the chunks, and a new slot masked out."""
     import ops
     g = torch.Generator().manual_seed(S + HQ)
     q = torch.randn(B, HQ, 1, D, generator=g).to(DEV, torch.bfloat16)
@@ -84,7 +85,10 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
         out = A.decode_attention(q, cache[0, :, :, :S], cache[1, :, :, :S], valid, D ** -0.5, cfg,
                                  new=(kn, vn, cos[:, 0, 0], sin[:, 0, 0], slots))
         qr = ops.rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], two[0], two[1], slots)
-        want = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5, cfg)
+        causal = valid & (torch.arange(S, device=DEV) <= slot)               # the new token sees no later key
+        want = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], causal, D ** -0.5, cfg)
+        if slot < S - 1:  # valid keys after the slot are really left out
+            assert not torch.allclose(A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5), want)
     assert torch.equal(cache, two)                                            # the same cache write
     if CUDA:  # the rotation rounds each product as torch's ops do (no FMA): the reference's bits
         ops.rope_cache_ref(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], ref[0], ref[1], slots)
