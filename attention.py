@@ -133,12 +133,13 @@ MAX_CHUNKS = 32   # decode_attention's cap: the merge holds a row's partials in 
 
 def config_for(programs: int, S: int, sms: int = 132) -> dict:
     """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
-    (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 768): one
-    chunk of 128-key steps on 8 warps once the pairs fill the SMs (batch 64: 39.0 us, against 46.0 us for two
-    chunks of 64-key steps on 4 warps); below that, chunks for about four programs an SM, of 32- or 64-key steps
+    (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 256-768): one
+    chunk of 128-key steps on 4 warps once the pairs fill the SMs (batch 64, kv 768: 38.9 us, 40.1 with 8 warps,
+    42.0 for two chunks of 64-key steps; with RoPE and the keys bounded by the new slot, as decode steps run it,
+    8 warps took 55.8 us against 40.0); below that, chunks for about four programs an SM, of 32- or 64-key steps
     (batch 1: 24 chunks of 32-key steps, 5.4 us; batch 16: 9 of 64, 14.5 us)."""
     if programs >= sms:
-        return dict(chunks=1, block=128, warps=8, stages=2)
+        return dict(chunks=1, block=128, warps=4, stages=2)
     block = 32 if programs < 32 else 64
     return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
 
