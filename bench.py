@@ -443,10 +443,9 @@ def main(argv=None):
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make (each of ours and of F.linear)")
-    ap.add_argument("--sweep", nargs="?", const="all", default=None, choices=["all", "wgmma", "mma", "ks", "ksplit"],
+    ap.add_argument("--sweep", nargs="?", const="all", default=None, choices=["all", "wgmma", "mma", "ks"],
                     help="also time the candidate GEMM configs per (shape, M); optionally only the wgmma (4-8 warps) "
-                         "or the mma.sync (1-2 warps or BN < 64) family, the K-sliced kernel's configs (ks), or "
-                         "those also split in K across programs (ksplit)")
+                         "or the mma.sync (1-2 warps or BN < 64) family, or the K-sliced kernel's configs (ks)")
     ap.add_argument("--m", default="1,16,64,256,4096", help="token counts M for the GEMM table")
     ap.add_argument("--parts", default="gemm,dgrad,rmsnorm",
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "

@@ -23,8 +23,6 @@ def sweep_configs(M, N, K, family: str = "all"):
     falls back to per-warp mma.sync, whose warps interleave dequant and MMA freely."""
     if family == "ks":
         return ks_configs(M, N, K)
-    if family == "ksplit":
-        return ksplit_configs(M, N, K)
     BMs = [16] if M <= 16 else [32] if M <= 32 else [64] if M <= 64 else [64, 128, 256]
     pairs = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)] if family != "mma" else []  # (BN, warps): wgmma
     if M <= 64 and family != "wgmma":
@@ -61,24 +59,6 @@ def ks_configs(M, N, K):
             for st in (2, 3, 4, 5, 6, 8):
                 if regs <= 160 and (st - 1) * KS * (BN * 72 + 256 * BM) <= 200 * 1024 and (BN <= 32 or st in (3, 4, 6)):
                     out.append(dict(BM=BM, BN=BN, KS=KS, num_warps=nw, num_stages=st))
-    return out
-
-
-def ksplit_configs(M, N, K):
-    """The K-sliced kernel (4 slices on 4 warps, 16 or 32 rows, 3 or 4 stages) also split in K across programs
-    (SPLIT_K 1-8, each split >= 2 K tiles), so that every SM streams about the same bytes (qkv's 288 row tiles of 16
-    leave 24 SMs a third program); first, for comparison, what the dispatch runs."""
-    import kernels
-
-    BM = 1 << (M - 1).bit_length()
-    if BM > 16:
-        return []
-    out = [kernels.mm_config(M, N, K)]
-    for BN in (16, 32):
-        for st in (3, 4):
-            for split in (1, 2, 3, 4, 6, 8):
-                if (K // 128) // split >= 2:
-                    out.append(dict(BM=BM, BN=BN, KS=4, num_warps=4, num_stages=st, SPLIT_K=split))
     return out
 
 

@@ -187,29 +187,6 @@ if triton is not None:
         tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(dt), mask=(n[:, None] < N) & (m[None, :] < M))
 
     @triton.jit
-    def _finish(acc, n, m, M, N, ws_ptr, cnt_ptr, pid_n, pid_m, pid_k, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
-                HAS_BIAS: tl.constexpr, RP: tl.constexpr, USE_ASM: tl.constexpr, GATED: tl.constexpr, I,
-                SPLIT_K: tl.constexpr):
-        # acc (BN, BM): this program's sum over its share of K. Split K: park it in the workspace; the last program
-        # of the output tile to count adds the parked sums in split order (same bits whatever order they finish in)
-        if SPLIT_K > 1:
-            out_mask = (n[:, None] < N) & (m[None, :] < M)
-            tile = pid_m * tl.num_programs(0) + pid_n
-            mp = tl.num_programs(1) * m.shape[0]                                      # padded token count
-            tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:
-                acc = tl.zeros(acc.shape, dtype=tl.float32)
-                for s in range(0, SPLIT_K):
-                    acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
-                                   mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
-        else:
-            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
-
-    @triton.jit
     def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -242,27 +219,39 @@ if triton is not None:
             sp += NP * 2
             xp += 128
         acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
-        _finish(acc, n, m, M, N, ws_ptr, cnt_ptr, pid_n, pid_m, pid_k, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
-                HAS_BIAS, RP, USE_ASM, GATED, I, SPLIT_K)
+        out_mask = (n[:, None] < N) & (m[None, :] < M)
+        if SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
+            tile = pid_m * tl.num_programs(0) + pid_n
+            mp = tl.num_programs(1) * BM                                              # padded token count
+            tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
+                                   mask=out_mask, other=0.0, cache_modifier=".cg")
+                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")  # no fence: the next launch sees it
+        else:
+            _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
-    def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr, M, N, NP, K,
-                            KT, TILES_PER_SPLIT, stride_xm, stride_ym, R, BM: tl.constexpr, BN: tl.constexpr,
-                            KS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
-                            GATED: tl.constexpr = False, UP=0, I=0, SPLIT_K: tl.constexpr = 1):
+    def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, M, N, NP, K, KT, stride_xm,
+                            stride_ym, R, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
+                            GATED: tl.constexpr = False, UP=0, I=0):
         # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch index of a 3-D dot
-        # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end. SPLIT_K > 1
-        # also splits K across programs (TILES_PER_SPLIT each, the fixup of _finish), to even out the SMs' shares
-        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end, so no
+        # workspace, counter or second pass over partial sums
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         n = _rows(pid_n, BN, UP, GATED)                                                   # rows of W
         m = pid_m * BM + tl.arange(0, BM)                                                 # tokens
         ks, kk = tl.arange(0, KS), tl.arange(0, 128)
-        t0 = pid_k * TILES_PER_SPLIT                                  # split K: this program's K tiles [t0, t1)
-        t1 = tl.minimum(t0 + TILES_PER_SPLIT, KT)
         acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
-        for i in range(0, tl.cdiv(t1 - t0, KS)):
-            t = t0 + i * KS + ks                                                          # (KS,) K tiles
-            live = (t < t1)[:, None, None]
+        for i in range(0, tl.cdiv(KT, KS)):
+            t = i * KS + ks                                                               # (KS,) K tiles
+            live = (t < KT)[:, None, None]
             wo = (t[:, None, None] * NP + n[None, :, None])                               # (KS, BN, 1) tile rows
             words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)   # (KS, BN, 16)
             sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)        # (KS, BN, 2)
@@ -272,8 +261,7 @@ if triton is not None:
             xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
             acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)                   # (KS, BN, BM) fp32
         acc = tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))       # (BN, BM)
-        _finish(acc, n, m, M, N, ws_ptr, cnt_ptr, pid_n, pid_m, pid_k, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
-                HAS_BIAS, RP, USE_ASM, GATED, I, SPLIT_K)
+        _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
     def _nvfp4_dequant_kernel(w_ptr, s_ptr, gs_ptr, out_ptr, N, NP, K, KT, BN: tl.constexpr, TPP: tl.constexpr,
@@ -380,13 +368,17 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
     y = torch.empty(M, gated or N, dtype=x2.dtype, device=x2.device)
     cfg.update(GATED=bool(gated), UP=N // 2 if gated else 0, I=gated)  # gated: BN / 2 rows of each half, same grid
-    split, per_split = split_k(KT, cfg.pop("SPLIT_K", 1))
+    if "KS" in cfg:  # K sliced inside the program: no split-K workspace
+        _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
+            x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N, w.words.shape[1],
+            K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
+        return y
+    split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
     grid = (-(-N // BN), -(-M // BM), split)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
-    kernel = _nvfp4_mm_ks_kernel if "KS" in cfg else _nvfp4_mm_kernel   # K sliced inside the program, or not
-    kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb, M, N,
-                 w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, SPLIT_K=split,
-                 HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
+    _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
+                           M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
 
 

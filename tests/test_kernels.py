@@ -122,27 +122,6 @@ def test_gemm_k_sliced(device, M, N, Kd, BM, BN, KS):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("M,split", [(1, 2), (3, 3), (16, 4)])
-def test_gemm_k_sliced_split_k(device, M, split):
-    """The K-sliced kernel split in K across programs as well (SPLIT_K: parked sums added in split order by the last
-    program of a tile): 9 K tiles as 5 + 4, 3 + 3 + 3 and 3 + 3 + 3 (4 asked) tiles, fewer tiles than slices in a
-    split; with a bias, a LoRA term and the SiLU x up epilogue; the counters reset, so a second call adds alike."""
-    w, _ = make_weight(256, 1104, seed=M, device=device)
-    g = torch.Generator().manual_seed(M)
-    x = torch.randn(M, 1104, generator=g).to(device, torch.bfloat16)
-    bias = torch.randn(256, generator=g).to(device, torch.bfloat16)
-    cfg = dict(BM=1 << (M - 1).bit_length(), BN=16, KS=4, num_warps=4, num_stages=2, SPLIT_K=split)
-    y = K.nvfp4_mm(x, w, bias, config=cfg)
-    y32, tol = expected(x, w, bias)
-    assert ((y.float() - y32).abs() <= tol).all(), (y.float() - y32).abs().max()
-    assert torch.equal(y, K.nvfp4_mm(x, w, bias, config=cfg))
-    xa, B = torch.randn(M, 8, generator=g).to(device, torch.bfloat16), (0.1 * torch.randn(256, 8, generator=g)).to(
-        device, torch.bfloat16)
-    yl = K.nvfp4_mm(x, w, config=cfg, lora=(xa, B), gated=100)
-    assert torch.equal(yl, ops.silu_mul(K.nvfp4_mm(x, w, config=cfg, lora=(xa, B)), 100, 128))
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("KS,warps", [(2, 4), (4, 8)])
 def test_gemm_k_sliced_two_warps_a_slice(device, M, KS, warps):
