@@ -56,8 +56,8 @@ if triton is not None:
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, S)
         slot = -1
-        if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's numerics), write the new
-            # key and value to the cache, and count them from registers (the loop skips their slot)
+        if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's numerics), count the new
+            # key and value from registers (the loop skips their slot) and write them to the cache after the loop
             dt = q_ptr.dtype.element_ty
             e = tl.arange(0, D // 2)
             cp, sp = cos_ptr + b * scb + e, sin_ptr + b * scb + e
@@ -70,14 +70,12 @@ if triton is not None:
             q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
             slot = tl.load(slot_ptr)
             hi = tl.minimum(hi, slot + 1)                 # causal: the new token is the last key it sees
-            if (slot >= lo) & (slot < hi):               # this chunk holds the new slot: one program per (b, hk)
-                kp = kn_ptr + b * sknb + hk * sknh + e
-                k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2,
-                                 dt, False)
-                vn = tl.load(vn_ptr + b * svnb + hk * svnh + d)                                      # (D,)
-                tl.store(kb + slot * sks + e, k1.to(dt))
-                tl.store(kb + slot * sks + D // 2 + e, k2.to(dt))
-                tl.store(vb + slot * svs + d, vn)
+            kp = kn_ptr + b * sknb + hk * sknh + e
+            k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2, dt,
+                             False)                                                                # (D/2,) each
+            vn = tl.load(vn_ptr + b * svnb + hk * svnh + d)                                          # (D,)
+            own = (slot >= lo) & (slot < hi)              # this chunk holds the new slot: one program per (b, hk)
+            if own:
                 kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)), (D,)).to(tl.float32)
                 if tl.load(valid_ptr + b * sval + slot) != 0:
                     m_i = tl.sum(q.to(tl.float32) * kn[None, :], 1) * qk_scale                     # (GP,)
@@ -89,7 +87,7 @@ if triton is not None:
             n = n0 + tl.arange(0, BN)                                                       # (BN,)
             ok = (n < hi) & (n != slot) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
             kt = tl.load(kb + n[:, None] * sks + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
-            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
+            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=((n < hi) & (n != slot))[:, None], other=0.0)
             if F32:  # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
                 s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * qk_scale
             else:
@@ -103,6 +101,11 @@ if triton is not None:
             pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32)) if F32 else tl.dot(p.to(vt.dtype), vt)
             acc = acc * alpha[:, None] + pv                                                 # (GP, D)
             m_i = m_new
+        if ROPE:  # the new key and value go to the cache after the loop, whose loads need not wait for them
+            if own:
+                tl.store(kb + slot * sks + e, k1.to(dt))
+                tl.store(kb + slot * sks + D // 2 + e, k2.to(dt))
+                tl.store(vb + slot * svs + d, vn)
         row = b * HK * G + hq                                                               # (GP,) row of (B * HQ)
         if SPLIT == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

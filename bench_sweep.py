@@ -366,8 +366,9 @@ def attn(out: dict):
     """python bench.py kernels --parts attn: attention.decode_attention against torch SDPA as model.py called it
     (additive mask, enable_gqa) for one decode step's layer, 7B (28 / 4 heads) and 32B (40 / 8) at the rollout's
     batch sizes and KV lengths; KV caches rotate over enough copies that every call reads from HBM. Also the KV
-    bytes per call over the time, against the copy bandwidth."""
+    bytes per call over the time, against the copy bandwidth; and the kernel as a decode step calls it (new=)."""
     import attention
+    import ops
 
     copy = bench.copy_bandwidth()
     rows = []
@@ -391,11 +392,20 @@ def attn(out: dict):
                       for c in caches]
                 ours = [lambda c=c: attention.decode_attention(q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5)
                         for c in caches]
+                # as a decode step calls it: RoPE on q and the new key, the new key and value written at slot kv - 1
+                # (the last: the keys it reads, bounded by the slot, are all kv)
+                kn, vn = torch.randn(2, B, HK, D, device="cuda", dtype=torch.bfloat16)
+                inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+                cos, sin = ops.rope_cos_sin(inv, torch.full((B, 1), kv - 1, device="cuda"), torch.bfloat16)
+                new = (kn, vn, cos[:, 0, 0], sin[:, 0, 0], torch.tensor([kv - 1], device="cuda"))
+                step = [lambda c=c: attention.decode_attention(q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5,
+                                                               new=new) for c in caches]
                 with torch.no_grad():
                     err = (ours[0]().float() - sd[0]().float()).abs().max().item()
-                    t_sd, t_ours = bench.paired_us(sd, ours)
+                    t_sd, t_ours, t_step = bench.paired_us(sd, ours, step)
                 row = dict(size=size, batch=B, kv=kv, sdpa_us=t_sd, ours_us=t_ours, speedup=t_sd / t_ours,
-                           ours_GBps=nbytes / t_ours / 1e3, sdpa_GBps=nbytes / t_sd / 1e3, max_abs_diff=err)
+                           ours_GBps=nbytes / t_ours / 1e3, sdpa_GBps=nbytes / t_sd / 1e3, max_abs_diff=err,
+                           step_us=t_step)
                 if size == "7b":   # the kernel's knobs around attention.config_for's choice
                     c0 = attention.config_for(B * HK, kv)["chunks"]
                     var = [dict(chunks=c, block=bk, warps=w, stages=st) for c in sorted({1, c0, 2 * c0})
@@ -411,6 +421,6 @@ def attn(out: dict):
                 rows.append(row)
                 print(f"decode attention {size} batch {B:3d} kv {kv}: SDPA {t_sd:7.1f} us, ours {t_ours:7.1f} us "
                       f"({t_sd / t_ours:.2f}x); {row['ours_GBps']:.0f} vs {row['sdpa_GBps']:.0f} GB/s "
-                      f"(copy {copy:.0f}); max |diff| {err:.4f}")
+                      f"(copy {copy:.0f}); max |diff| {err:.4f}; as a decode step (+ RoPE, cache write) {t_step:.1f} us")
                 del caches
     out["decode_attention"] = rows
