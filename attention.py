@@ -55,9 +55,8 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, S)
-        slot = -1
         if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's numerics), count the new
-            # key and value from registers (the loop skips their slot) and write them to the cache after the loop
+            # key and value from registers (the loop stops before their slot) and write them to the cache after it
             dt = q_ptr.dtype.element_ty
             e = tl.arange(0, D // 2)
             cp, sp = cos_ptr + b * scb + e, sin_ptr + b * scb + e
@@ -69,12 +68,12 @@ if triton is not None:
             q1, q2 = _rotate(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dt, False)
             q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
             slot = tl.load(slot_ptr)
-            hi = tl.minimum(hi, slot + 1)                 # causal: the new token is the last key it sees
             kp = kn_ptr + b * sknb + hk * sknh + e
             k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2, dt,
                              False)                                                                # (D/2,) each
             vn = tl.load(vn_ptr + b * svnb + hk * svnh + d)                                          # (D,)
             own = (slot >= lo) & (slot < hi)              # this chunk holds the new slot: one program per (b, hk)
+            hi = tl.minimum(hi, slot)     # the loop reads the keys before the slot: causal, and the new one is here
             if own:
                 kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)), (D,)).to(tl.float32)
                 if tl.load(valid_ptr + b * sval + slot) != 0:
@@ -85,9 +84,9 @@ if triton is not None:
             q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)  # (GP, D)
         for n0 in tl.range(lo, hi, BN):
             n = n0 + tl.arange(0, BN)                                                       # (BN,)
-            ok = (n < hi) & (n != slot) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
+            ok = (n < hi) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
             kt = tl.load(kb + n[:, None] * sks + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
-            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=((n < hi) & (n != slot))[:, None], other=0.0)
+            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
             if F32:  # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
                 s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * qk_scale
             else:
