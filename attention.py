@@ -137,9 +137,10 @@ def config_for(programs: int, S: int, sms: int = 132) -> dict:
     """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
     (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 256-768): one
     chunk of 128-key steps on 4 warps once the pairs fill the SMs (batch 64, kv 768: 38.9 us, 40.1 with 8 warps,
-    42.0 for two chunks of 64-key steps; with RoPE and the keys bounded by the new slot, as decode steps run it,
-    8 warps took 55.8 us against 40.0); below that, chunks for about four programs an SM, of 32- or 64-key steps
-    (batch 1: 24 chunks of 32-key steps, 5.4 us; batch 16: 9 of 64, 14.5 us)."""
+    42.0 for two chunks of 64-key steps; as decode steps call it, RoPE and the keys bounded by the new slot, 8 warps
+    made the 7B step's attention at batch 64 0.86 ms against 0.65, `python bench.py profile --batches 64`); below
+    that, chunks for about four programs an SM, of 32- or 64-key steps (batch 1: 24 chunks of 32-key steps, 5.4 us;
+    batch 16: 9 of 64, 14.5 us)."""
     if programs >= sms:
         return dict(chunks=1, block=128, warps=4, stages=2)
     block = 32 if programs < 32 else 64

@@ -421,6 +421,7 @@ def attn(out: dict):
                 rows.append(row)
                 print(f"decode attention {size} batch {B:3d} kv {kv}: SDPA {t_sd:7.1f} us, ours {t_ours:7.1f} us "
                       f"({t_sd / t_ours:.2f}x); {row['ours_GBps']:.0f} vs {row['sdpa_GBps']:.0f} GB/s "
-                      f"(copy {copy:.0f}); max |diff| {err:.4f}; as a decode step (+ RoPE, cache write) {t_step:.1f} us")
+                      f"(copy {copy:.0f}); max |diff| {err:.4f}; as a decode step (+ RoPE, cache write) "
+                      f"{t_step:.1f} us")
                 del caches
     out["decode_attention"] = rows

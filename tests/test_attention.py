@@ -88,7 +88,8 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
         causal = valid & (torch.arange(S, device=DEV) <= slot)               # the new token sees no later key
         want = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], causal, D ** -0.5, cfg)
         if slot < S - 1:  # valid keys after the slot are really left out
-            assert not torch.allclose(A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5), want)
+            everything = A.decode_attention(qr, two[0, :, :, :S], two[1, :, :, :S], valid, D ** -0.5)
+            assert not torch.allclose(everything, want)
     assert torch.equal(cache, two)                                            # the same cache write
     if CUDA:  # the rotation rounds each product as torch's ops do (no FMA): the reference's bits
         ops.rope_cache_ref(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, 0], sin[:, 0], ref[0], ref[1], slots)
