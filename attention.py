@@ -68,11 +68,11 @@ if triton is not None:
             q1, q2 = _rotate(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dt, False)
             q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
             slot = tl.load(slot_ptr)
-            kp = kn_ptr + b * sknb + hk * sknh + e
-            k1, k2 = _rotate(tl.load(kp).to(tl.float32), tl.load(kp + D // 2).to(tl.float32), c1, c2, s1, s2, dt,
-                             False)                                                                # (D/2,) each
-            vn = tl.load(vn_ptr + b * svnb + hk * svnh + d)                                          # (D,)
             own = (slot >= lo) & (slot < hi)              # this chunk holds the new slot: one program per (b, hk)
+            kp = kn_ptr + b * sknb + hk * sknh + e        # the new key and value: read by that program alone
+            k1, k2 = _rotate(tl.load(kp, mask=own, other=0.0).to(tl.float32),
+                             tl.load(kp + D // 2, mask=own, other=0.0).to(tl.float32), c1, c2, s1, s2, dt, False)
+            vn = tl.load(vn_ptr + b * svnb + hk * svnh + d, mask=own, other=0.0)                    # (D,)
             hi = tl.minimum(hi, slot)     # the loop reads the keys before the slot: causal, and the new one is here
             if own:
                 kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)), (D,)).to(tl.float32)

@@ -368,7 +368,6 @@ def attn(out: dict):
     batch sizes and KV lengths; KV caches rotate over enough copies that every call reads from HBM. Also the KV
     bytes per call over the time, against the copy bandwidth; and the kernel as a decode step calls it (new=)."""
     import attention
-    import ops
 
     copy = bench.copy_bandwidth()
     rows = []
@@ -394,10 +393,8 @@ def attn(out: dict):
                         for c in caches]
                 # as a decode step calls it: RoPE on q and the new key, the new key and value written at slot kv - 1
                 # (the last: the keys it reads, bounded by the slot, are all kv)
-                kn, vn = torch.randn(2, B, HK, D, device="cuda", dtype=torch.bfloat16)
-                inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D))
-                cos, sin = ops.rope_cos_sin(inv, torch.full((B, 1), kv - 1, device="cuda"), torch.bfloat16)
-                new = (kn, vn, cos[:, 0, 0], sin[:, 0, 0], torch.tensor([kv - 1], device="cuda"))
+                kn, vn, cos, sin = torch.randn(4, B, HK, D, device="cuda", dtype=torch.bfloat16)  # (any cos, sin)
+                new = (kn, vn, cos[:, 0], sin[:, 0], torch.tensor([kv - 1], device="cuda"))
                 step = [lambda c=c: attention.decode_attention(q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5,
                                                                new=new) for c in caches]
                 with torch.no_grad():
