@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kernels import INTERPRET, _use_triton, pdl, triton
+from kernels import INTERPRET, _use_triton, triton
 from ops import rope_cache
 
 if triton is not None:
@@ -44,11 +44,8 @@ if triton is not None:
                             sqb, sqh, skb, skh, sks, svb, svh, svs, sval, sob, soh,
                             kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, sknb, sknh, svnb, svnh, scb,
                             D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                            F32: tl.constexpr, ROPE: tl.constexpr = False, PDL: tl.constexpr = False):
+                            F32: tl.constexpr, ROPE: tl.constexpr = False):
         bh, c = tl.program_id(0), tl.program_id(1)        # (sequence, KV head), chunk of the keys
-        if PDL:  # (kernels.pdl) the next kernel may launch now; the previous one's output is read after the wait
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         b, hk = (bh // HK).to(tl.int64), bh % HK
         g, d = tl.arange(0, GP), tl.arange(0, D)
         hq = hk * G + g                                   # (GP,) the GQA group's query heads
@@ -120,12 +117,8 @@ if triton is not None:
             tl.store(ml_ptr + (row * nc + c) * 2 + 1, l_i, mask=g < G)
 
     @triton.jit
-    def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh, D: tl.constexpr, CP: tl.constexpr,
-                             PDL: tl.constexpr = False):
+    def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh, D: tl.constexpr, CP: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)                   # one (sequence, query head) row a program
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         c, d = tl.arange(0, CP), tl.arange(0, D)
         m = tl.load(ml_ptr + (r * NC + c) * 2, mask=c < NC, other=float("-inf"))           # (CP,)
         lsum = tl.load(ml_ptr + (r * NC + c) * 2 + 1, mask=c < NC, other=0.0)
@@ -207,8 +200,8 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
         *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1), rope[2].stride(0))
           if new is not None else (0,) * 5),
         D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2, F32=INTERPRET,
-        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"], enable_fp_fusion=new is None, **pdl(q))
+        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"], enable_fp_fusion=new is None)
     if nc > 1:
         _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
-                                        CP=max(2, triton.next_power_of_2(nc)), num_warps=1, **pdl(q))
+                                        CP=max(2, triton.next_power_of_2(nc)), num_warps=1)
     return o

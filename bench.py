@@ -437,10 +437,9 @@ def main(argv=None):
                     help="with profile: the train half of `bench.py train` (this base) instead of a decode step")
     ap.add_argument("--prefill", action="store_true",
                     help="with profile: host time of the eager prefill (first of --batches), NVFP4 and bf16")
-    ap.add_argument("--ab", default=None, choices=["attn", "silu", "rope", "pdl"], help="with profile: the decode step "
-                    "with a knob on and off, same run (--batches): attn: our decode attention vs torch SDPA; silu: SiLU "
-                    "x up in gate_up's epilogue vs a kernel of its own; rope: RoPE + cache write in the attention or "
-                    "not; pdl: our kernels with programmatic dependent launch or not")
+    ap.add_argument("--ab", default=None, choices=["attn", "silu", "rope"], help="with profile: the decode step with "
+                    "a knob on and off, same run (--batches): attn: our decode attention vs torch SDPA; silu: SiLU x up "
+                    "in gate_up's epilogue vs a kernel of its own; rope: RoPE + cache write in the attention or not")
     ap.add_argument("--shape", default="gate_up", choices=sorted(SHAPES_7B), help="with `one`: the 7B linear shape")
     ap.add_argument("--config", default=None, help="with `one`: a JSON tile config (default: the dispatch table)")
     ap.add_argument("--iters", type=int, default=3, help="with `one`: calls to make (each of ours and of F.linear)")

@@ -9,8 +9,6 @@
     python bench.py profile --ab attn --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
     python bench.py profile --ab silu --batches 1,8,16,32 # decode step with SiLU x up in gate_up's epilogue or not
     python bench.py profile --ab rope --batches 1,16,64   # decode step with RoPE + cache write in the attention or not
-    python bench.py profile --ab pdl --batches 1,16,64    # decode step with programmatic dependent launch or not
-        (NANOQERL_PDL_MODE=early / late / nosplit / peel: where the GEMMs let the next kernel launch, see kernels.pdl)
 """
 import json
 import statistics
@@ -116,19 +114,18 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
     call) / 511, the median over `reps` pairs. knob attn: attention.decode_attention vs torch SDPA (NVFP4 and bf16,
     so the ratio of the two is also shown); silu: SiLU x up in gate_up's epilogue (kernels.nvfp4_mm(gated=)) vs
     ops.silu_mul after it (NVFP4); rope: RoPE and the cache write inside the attention kernel vs ops.rope_cache
-    (NVFP4); pdl: our kernels launched with programmatic dependent launch or not (kernels.pdl; NVFP4 and bf16)."""
+    (NVFP4)."""
     import attention
     import kernels
     import rollout
 
-    usable, fusable, gmax, pdl, step = attention.usable, attention.rope_fusable, kernels.GATED_MAX_M, kernels.PDL, {}
+    usable, fusable, gmax, step = attention.usable, attention.rope_fusable, kernels.GATED_MAX_M, {}
     knobs = {"attn": {"kernel": lambda: None, "sdpa": lambda: setattr(attention, "usable", lambda *a, **k: False)},
              "silu": {"epilogue": lambda: None, "separate": lambda: setattr(kernels, "GATED_MAX_M", 0)},
              "rope": {"in-kernel": lambda: None,
-                      "separate": lambda: setattr(attention, "rope_fusable", lambda *a, **k: False)},
-             "pdl": {"on": lambda: setattr(kernels, "PDL", True), "off": lambda: setattr(kernels, "PDL", False)}}[knob]
+                      "separate": lambda: setattr(attention, "rope_fusable", lambda *a, **k: False)}}[knob]
     names = list(knobs)
-    for base in ("nvfp4", "bf16") if knob in ("attn", "pdl") else ("nvfp4",):
+    for base in ("nvfp4", "bf16") if knob == "attn" else ("nvfp4",):
         m = random_model(size, base == "nvfp4")
         for B in batches:
             P = torch.randint(0, 150000, (B, prompt)).tolist()
@@ -137,7 +134,7 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
                 setup()
                 engs[name] = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 engs[name].generate(P, max_new_tokens=new_tokens, stop_token_ids=[])        # capture its graphs
-                attention.usable, attention.rope_fusable, kernels.GATED_MAX_M, kernels.PDL = usable, fusable, gmax, pdl
+                attention.usable, attention.rope_fusable, kernels.GATED_MAX_M = usable, fusable, gmax
             for _ in range(reps):
                 for name, eng in engs.items():
                     walls = []

@@ -54,29 +54,10 @@ CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels o
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
 WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, kernels_ws): nvfp4_mm(gated=) pays
-PDL = os.environ.get("NANOQERL_PDL", "1") != "0"  # programmatic dependent launch on Hopper (see pdl)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or (INTERPRET and CPU_TRITON))
-
-
-@functools.cache
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def pdl(t: torch.Tensor) -> dict:
-    """Launch options for programmatic dependent launch (Hopper, PDL on): the kernel may start while the one before
-    it in the stream finishes (a decode step is a chain of short kernels); it reads nothing but frozen weights until
-    tl.extra.cuda.gdc_wait(), which waits for that kernel's end and its writes. {} elsewhere (kernels' PDL=False)."""
-    if not (PDL and t.is_cuda and not INTERPRET and _sm90(t.device.index or 0)):
-        return {}
-    return dict(PDL=2 if MODE == "late" else 1, launch_pdl=True)
-
-
-MODE = os.environ.get("NANOQERL_PDL_MODE", "early")  # GEMMs: early / late (after the K loop) let the next kernel
-# launch; nosplit: the split-K kernel without PDL; peel: the split-K kernel reads its first tile before the wait
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,7 +191,7 @@ if triton is not None:
                          M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
                          BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                          USE_ASM: tl.constexpr, RP: tl.constexpr = 0, UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         GATED: tl.constexpr = False, UP=0, I=0, PDL: tl.constexpr = False):
+                         GATED: tl.constexpr = False, UP=0, I=0):
         pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = _rows(pid_n, BN, UP, GATED)                                      # rows of W (output features)
         m = pid_m * BM + tl.arange(0, BM)                                    # tokens
@@ -220,21 +201,14 @@ if triton is not None:
         sp = s_ptr + (t0 * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]           # (BN, 2) scale words
         xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]                  # (BM, 128)
         acc = tl.zeros((BN, BM), dtype=tl.float32)
-        if PDL == 1:  # (pdl) the next kernel may launch now; the PEEL tile's weights are read before the wait
-            tl.extra.cuda.gdc_launch_dependents()
         if PEEL:  # first K tile outside the loop: the accumulator enters it from a wgmma, not from zeroing movs, so
             # ptxas keeps the loop's wgmmas in flight (else it serializes them, advisory C7515; see mm_config)
             sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
-            words = tl.load(wp)                                                       # (BN, 16) int32
-            if PDL:
-                tl.extra.cuda.gdc_wait()
             xt = tl.load(xp, mask=(m[:, None] < M) & (t0 * 128 + kk[None, :] < K), other=0.0)  # (BM, 128)
-            acc = _dot(_dequant_regs(words, sw0, sw1, BN, USE_ASM), tl.trans(xt), acc, USE_ASM)
+            acc = _dot(_dequant_regs(tl.load(wp), sw0, sw1, BN, USE_ASM), tl.trans(xt), acc, USE_ASM)
             wp += NP * 16
             sp += NP * 2
             xp += 128
-        elif PDL:
-            tl.extra.cuda.gdc_wait()
         for t in tl.range(t0 + PEEL, tl.minimum(t0 + TILES_PER_SPLIT, KT), loop_unroll_factor=UNROLL):
             words = tl.load(wp)                                                       # (BN, 16) int32
             sw0, sw1 = tl.split(tl.load(sp))                                          # (BN,) int32 each
@@ -244,8 +218,6 @@ if triton is not None:
             wp += NP * 16
             sp += NP * 2
             xp += 128
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
         acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
         out_mask = (n[:, None] < N) & (m[None, :] < M)
         if SPLIT_K > 1:  # park the partial sum; the last program of this output tile adds them all up
@@ -265,46 +237,29 @@ if triton is not None:
             _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
-    def _ks_weights(w_ptr, s_ptr, t, n, NP, KT, BN: tl.constexpr, KS: tl.constexpr, USE_ASM: tl.constexpr):
-        # K tiles t (KS,) of weight rows n (BN,), dequantized: (KS, BN, 128) bf16, zeros past KT
-        live = (t < KT)[:, None, None]
-        wo = (t[:, None, None] * NP + n[None, :, None])                                   # (KS, BN, 1) tile rows
-        words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)   # (KS, BN, 16)
-        sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)        # (KS, BN, 2)
-        sw0, sw1 = tl.split(tl.reshape(sc, (KS * BN, 2)))
-        return tl.reshape(_dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, USE_ASM), (KS, BN, 128))
-
-    @triton.jit
-    def _ks_dot(wt, x_ptr, t, m, M, K, stride_xm, acc, USE_ASM: tl.constexpr):
-        # acc (KS, BN, BM) += wt (KS, BN, 128) @ x^T of K tiles t (KS,)
-        k = t[:, None, None] * 128 + tl.arange(0, 128)[None, :, None]                     # (KS, 128, 1)
-        xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
-        return _dot(wt, xt, acc, USE_ASM)
-
-    @triton.jit
     def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, M, N, NP, K, KT, stride_xm,
                             stride_ym, R, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
-                            GATED: tl.constexpr = False, UP=0, I=0, PDL: tl.constexpr = False):
+                            GATED: tl.constexpr = False, UP=0, I=0):
         # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch index of a 3-D dot
         # (Triton runs it on mma.sync with one warp per slice); the slices are summed once at the end, so no
         # workspace, counter or second pass over partial sums
         pid_n, pid_m = tl.program_id(0), tl.program_id(1)
         n = _rows(pid_n, BN, UP, GATED)                                                   # rows of W
         m = pid_m * BM + tl.arange(0, BM)                                                 # tokens
-        ks = tl.arange(0, KS)
-        if PDL == 1:  # (pdl) the next kernel may launch now; this one reads its first weights before the wait
-            tl.extra.cuda.gdc_launch_dependents()
-        wt = _ks_weights(w_ptr, s_ptr, ks, n, NP, KT, BN, KS, USE_ASM)                    # (KS, BN, 128) first tiles
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        acc = _ks_dot(wt, x_ptr, ks, m, M, K, stride_xm, tl.zeros((KS, BN, BM), dtype=tl.float32), USE_ASM)
-        for i in range(1, tl.cdiv(KT, KS)):
+        ks, kk = tl.arange(0, KS), tl.arange(0, 128)
+        acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
+        for i in range(0, tl.cdiv(KT, KS)):
             t = i * KS + ks                                                               # (KS,) K tiles
-            acc = _ks_dot(_ks_weights(w_ptr, s_ptr, t, n, NP, KT, BN, KS, USE_ASM), x_ptr, t, m, M, K, stride_xm,
-                          acc, USE_ASM)                                                   # (KS, BN, BM) fp32
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+            live = (t < KT)[:, None, None]
+            wo = (t[:, None, None] * NP + n[None, :, None])                               # (KS, BN, 1) tile rows
+            words = tl.load(w_ptr + wo * 16 + tl.arange(0, 16)[None, None, :], mask=live, other=0)   # (KS, BN, 16)
+            sc = tl.load(s_ptr + wo * 2 + tl.arange(0, 2)[None, None, :], mask=live, other=0)        # (KS, BN, 2)
+            sw0, sw1 = tl.split(tl.reshape(sc, (KS * BN, 2)))
+            wt = _dequant_regs(tl.reshape(words, (KS * BN, 16)), sw0, sw1, KS * BN, USE_ASM)  # (KS * BN, 128)
+            k = t[:, None, None] * 128 + kk[None, :, None]                                # (KS, 128, 1)
+            xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k, mask=(m[None, None, :] < M) & (k < K), other=0.0)
+            acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)                   # (KS, BN, BM) fp32
         acc = tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))       # (BN, BM)
         _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS, RP, USE_ASM, GATED, I)
 
@@ -416,18 +371,14 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     if "KS" in cfg:  # K sliced inside the program: no split-K workspace
         _nvfp4_mm_ks_kernel[(-(-N // BN), -(-M // BM))](
             x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, lb, M, N, w.words.shape[1],
-            K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg,
-            **pdl(x2))
+            K, KT, x2.stride(0), y.stride(0), R, BM=BM, BN=BN, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
         return y
     split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
-    pk = {} if MODE == "nosplit" else pdl(x2)
-    if MODE == "peel" and pk and per_split >= 2:
-        cfg["PEEL"] = 1
     grid = (-(-N // BN), -(-M // BM), split)
     ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
-                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg, **pk)
+                           SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
 
 

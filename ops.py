@@ -16,7 +16,7 @@ import versions
 versions.check()
 import torch  # noqa: E402
 
-from kernels import _use_triton, pdl, triton  # noqa: E402
+from kernels import _use_triton, triton  # noqa: E402
 
 if triton is not None:
     import triton.language as tl
@@ -254,13 +254,10 @@ def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
 if triton is not None:
     @triton.jit
     def _rms_fwd_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, rstd_ptr, H, eps,
-                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                        HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
-        if PDL:  # (kernels.pdl) the next kernel may launch now; the previous one's output is read after the wait
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
@@ -316,8 +313,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         z = noise.contiguous() if noise is not None else weight
         _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd, H, eps,
-                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H),
-                                        **pdl(x2))
+                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
         ctx.save_for_backward(h, weight, noise, rstd)
         ctx.has_res = residual is not None
         y = y.reshape(x.shape)
