@@ -33,9 +33,10 @@ gpu_memory_utilization (default 0.4) of the GPU for its weights + KV cache and r
 sleep() (level 1) moves the weights to CPU and drops the KV cache while the trainer runs, wake() restores them. On CPU
 sleep mode does not exist (sleep/wake do nothing) and the KV cache is kv_cache_memory_bytes (default 256 MiB). vLLM
 runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: our registration and the trainer's GPU live here) and eagerly
-(enforce_eager=True; pass enforce_eager=False to try CUDA graphs / torch.compile over our kernels: not tested here).
+(enforce_eager=True; enforce_eager=False gives vLLM's torch.compile + CUDA graphs, with our GEMM as one opaque custom op).
 Prefix caching is on (the n samples of a prompt share its prefill). Any other keyword goes to vllm.LLM (e.g.
-dtype="float32", block_size). vLLM keeps process-wide state: one VLLMEngine at a time, close() it before the next.
+dtype="float32", block_size). vLLM keeps process-wide state: one VLLMEngine at a time, close() it before the next;
+on a GPU, sleep mode once per process (later engines: enable_sleep_mode=False).
 
 Leaves out: tensor / pipeline parallelism, vLLM in a separate process or server, sharing the base weights with the
 trainer (vLLM keeps its own copy), LoRA on embeddings / lm_head, stop strings.
@@ -77,7 +78,8 @@ import quantize  # noqa: E402
 from rollout import Sample, check_request  # noqa: E402,F401  (Sample is re-exported: one class for both engines)
 
 QUANT_NAME = "nanoqerl-nvfp4"
-STATS = {"apply_calls": 0}   # how often our linear ran inside vLLM (the tests prove our method is the one called)
+STATS = {"apply_calls": 0, "sleep_engines": 0}   # our linear's calls inside vLLM (the tests prove it is ours); engines
+                                                  # started with sleep mode (vLLM allows one a process)
 NORMS = ("input_layernorm", "post_attention_layernorm")   # noise index 0 and 1, as in model.noise
 log = logging.getLogger("nanoqerl.rollout_vllm")
 _LIVE = weakref.WeakSet()   # vLLM keeps process-wide state (its parallel groups): one engine at a time
@@ -191,8 +193,21 @@ class NVFP4LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         STATS["apply_calls"] += 1
-        w = kernels.NVFP4Weight(layer.weight_packed, layer.weight_scale, layer.weight_global_scale, *layer.nanoqerl_nk)
-        return kernels.nvfp4_linear(x, w, bias)                             # (tokens, K) -> (tokens, N)
+        return torch.ops.nanoqerl.nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
+                                               *layer.nanoqerl_nk, bias)   # (tokens, K) -> (tokens, N)
+
+
+# One opaque op for torch.compile (enforce_eager=False): traced, the Triton kernels' inline PTX would go through
+# Inductor's code generation, which breaks on it; as a custom op Inductor only sees its output shape.
+@torch.library.custom_op("nanoqerl::nvfp4_linear", mutates_args=())
+def _nvfp4_linear_op(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
+                     k: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.nvfp4_linear(x, kernels.NVFP4Weight(words, scales, global_scale, n, k), bias)
+
+
+@_nvfp4_linear_op.register_fake
+def _(x, words, scales, global_scale, n, k, bias):
+    return x.new_empty(*x.shape[:-1], n)
 
 
 def _write_noise(z: torch.Tensor | None, model) -> int:
@@ -262,7 +277,11 @@ class VLLMEngine:
         else:
             args["kv_cache_memory_bytes"] = 256 << 20
         args.update(kwargs)
+        if cuda and args.get("enable_sleep_mode") and STATS["sleep_engines"]:
+            raise RuntimeError("vLLM's sleep mode (its CuMem allocator) serves one engine per process, and this process "
+                               "has had one: pass enable_sleep_mode=False, or start the next engine in a new process")
         self.llm = LLM(**args)
+        STATS["sleep_engines"] += bool(cuda and args.get("enable_sleep_mode"))
         _LIVE.add(self)
         self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
         self.lora_enabled, self.can_sleep, self.asleep = enable_lora, cuda and args.get("enable_sleep_mode", False), False
