@@ -15,6 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+if torch.cuda.is_available():   # vLLM's CUDA build runs LoRA in bf16 / fp16 only (its Triton LoRA kernels assert it)
+    pytest.skip("fp32 tests for vLLM's CPU build; on a GPU run tests/test_vllm_gpu.py", allow_module_level=True)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process (rollout_vllm requires it)
 torch._dynamo.config.disable = True   # = TORCHDYNAMO_DISABLE=1: else vLLM's first logprobs call compiles for ~11 s
 
