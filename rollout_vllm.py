@@ -33,7 +33,7 @@ gpu_memory_utilization (default 0.4) of the GPU for its weights + KV cache and r
 sleep() (level 1) moves the weights to CPU and drops the KV cache while the trainer runs, wake() restores them. On CPU
 sleep mode does not exist (sleep/wake do nothing) and the KV cache is kv_cache_memory_bytes (default 256 MiB). vLLM
 runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: our registration and the trainer's GPU live here) and eagerly
-(enforce_eager=True; enforce_eager=False gives vLLM's torch.compile + CUDA graphs, with our GEMM as one opaque custom op).
+(enforce_eager=True; enforce_eager=False: vLLM's torch.compile + CUDA graphs, our GEMM being one opaque custom op).
 Prefix caching is on (the n samples of a prompt share its prefill). Any other keyword goes to vllm.LLM (e.g.
 dtype="float32", block_size). vLLM keeps process-wide state: one VLLMEngine at a time, close() it before the next;
 on a GPU, sleep mode once per process (later engines: enable_sleep_mode=False).
@@ -278,8 +278,9 @@ class VLLMEngine:
             args["kv_cache_memory_bytes"] = 256 << 20
         args.update(kwargs)
         if cuda and args.get("enable_sleep_mode") and STATS["sleep_engines"]:
-            raise RuntimeError("vLLM's sleep mode (its CuMem allocator) serves one engine per process, and this process "
-                               "has had one: pass enable_sleep_mode=False, or start the next engine in a new process")
+            raise RuntimeError("vLLM's sleep mode (its CuMem allocator) serves one engine per process, and this "
+                               "process has had one: pass enable_sleep_mode=False, or start the next engine in a new "
+                               "process")
         self.llm = LLM(**args)
         STATS["sleep_engines"] += bool(cuda and args.get("enable_sleep_mode"))
         _LIVE.add(self)
