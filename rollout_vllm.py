@@ -194,21 +194,21 @@ class NVFP4LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         STATS["apply_calls"] += 1
-        return torch.ops.nanoqerl.nvfp4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
-                                               *layer.nanoqerl_nk, bias)   # (tokens, K) -> (tokens, N)
+        args = (x, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, *layer.nanoqerl_nk, bias)
+        if torch.compiler.is_compiling():              # traced by vLLM's torch.compile: the opaque op below
+            return torch.ops.nanoqerl.nvfp4_linear(*args)
+        return _nvfp4_linear(*args)                     # eager: no dispatcher round trip (a few us a call)
+
+
+def _nvfp4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
+                  k: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return kernels.nvfp4_linear(x, kernels.NVFP4Weight(words, scales, global_scale, n, k), bias)   # (tokens, N)
 
 
 # One opaque op for torch.compile (enforce_eager=False): traced, the Triton kernels' inline PTX would go through
 # Inductor's code generation, which breaks on it; as a custom op Inductor only sees its output shape.
-@torch.library.custom_op("nanoqerl::nvfp4_linear", mutates_args=())
-def _nvfp4_linear_op(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
-                     k: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return kernels.nvfp4_linear(x, kernels.NVFP4Weight(words, scales, global_scale, n, k), bias)
-
-
-@_nvfp4_linear_op.register_fake
-def _(x, words, scales, global_scale, n, k, bias):
-    return x.new_empty(*x.shape[:-1], n)
+torch.library.custom_op("nanoqerl::nvfp4_linear", _nvfp4_linear, mutates_args=()).register_fake(
+    lambda x, words, scales, global_scale, n, k, bias: x.new_empty(*x.shape[:-1], n))
 
 
 def _write_noise(z: torch.Tensor | None, model) -> int:
