@@ -38,6 +38,14 @@ def gap(a, b) -> float:
     return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
 
 
+def continuation(m, prompt, tokens):
+    """(ids (1, T), hidden states (len(tokens), H)) of our model m: the states that predict each of `tokens`."""
+    ids = torch.tensor([prompt + tokens], device="cuda")
+    with torch.no_grad():
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]                  # (T, H)
+    return ids, h[len(prompt) - 1:-1]
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["eager", "graphs"])
 def setup(request, make_checkpoint, tmp_path_factory):
     """(engine, our model, eager): vLLM eager, then with its torch.compile + CUDA graphs (enforce_eager=False)."""
@@ -99,11 +107,9 @@ def test_greedy_tokens_are_our_argmax(eng, ours):
     out = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
     worst = 0.0
     for s in out:
-        p = PROMPTS[s.prompt_idx]
-        ids = torch.tensor([p + s.tokens], device="cuda")
+        ids, h = continuation(ours, PROMPTS[s.prompt_idx], s.tokens)
         with torch.no_grad():
-            h = ours.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
-            lp = torch.log_softmax(ours.logits(h[len(p) - 1:-1]).float(), -1)             # (8, V)
+            lp = torch.log_softmax(ours.logits(h).float(), -1)                             # (8, V)
         picked = lp.gather(-1, torch.tensor(s.tokens, device="cuda")[:, None])[:, 0]
         worst = max(worst, (lp.max(-1).values - picked).max().item())
     print(f"\ngreedy: largest (our max log-prob - ours at vLLM's pick): {worst:.4f}")
@@ -114,11 +120,9 @@ def test_sampled_logprobs_and_seeds(eng, ours):
     out = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=[])
     ref = []
     for s in out:
-        p = PROMPTS[s.prompt_idx]
-        ids = torch.tensor([p + s.tokens], device="cuda")
+        ids, h = continuation(ours, PROMPTS[s.prompt_idx], s.tokens)
         with torch.no_grad():
-            h = ours.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
-            ref.append(M.token_logprobs(ours, h[len(p) - 1:-1], ids[0, len(p):], 0.7)[0].float().tolist())
+            ref.append(M.token_logprobs(ours, h, ids[0, -len(s.tokens):], 0.7)[0].float().tolist())
     g = gap([s.logprobs for s in out], ref)
     print(f"\nsampled log-prob gap (temperature 0.7): {g:.4f}")
     assert g < TOL
