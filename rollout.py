@@ -263,8 +263,8 @@ def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
         try:
             from rollout_vllm import VLLMEngine
         except ImportError as e:
-            raise RuntimeError(f"--engine vllm needs vLLM 0.32 (pip install -e '.[vllm]' on a GPU machine, "
-                               f"./setup.sh --vllm for the CPU build): {e}") from e
+            raise RuntimeError(f"--engine vllm needs vLLM in its own environment (./setup.sh --vllm: the pinned vllm "
+                               f"on a GPU machine, its CPU build otherwise): {e}") from e
         return VLLMEngine(model_dir, **kw)
     raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
 

