@@ -281,15 +281,16 @@ class VLLMEngine:
         else:
             args["kv_cache_memory_bytes"] = 256 << 20
         args.update(kwargs)
-        if cuda and args.get("enable_sleep_mode") and STATS["sleep_engines"]:
+        sleeps = cuda and bool(args.get("enable_sleep_mode"))
+        if sleeps and STATS["sleep_engines"]:
             raise RuntimeError("vLLM's sleep mode (its CuMem allocator) serves one engine per process, and this "
                                "process has had one: pass enable_sleep_mode=False, or start the next engine in a new "
                                "process")
         self.llm = LLM(**args)
-        STATS["sleep_engines"] += bool(cuda and args.get("enable_sleep_mode"))
+        STATS["sleep_engines"] += sleeps
         _LIVE.add(self)
         self.max_model_len, self.max_lora_rank = max_model_len, max_lora_rank
-        self.lora_enabled, self.can_sleep, self.asleep = enable_lora, cuda and args.get("enable_sleep_mode", False), False
+        self.lora_enabled, self.can_sleep, self.asleep = enable_lora, sleeps, False
         self.lora: LoRARequest | None = None       # the adapter every request uses (None: the base alone)
         self.lora_ids = 0
         self.noise: torch.Tensor | None = None     # (layers, 2, hidden) fp32 on CPU, what the norms hold now

@@ -321,9 +321,7 @@ def main(argv=None):
         if cfg.prompts_per_step < 1 or cfg.group_size < 2:
             raise ValueError("need --prompts-per-step >= 1 and --group-size >= 2 (advantages compare samples of a group)")
         if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned vllm "
-                               "on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; or use the "
-                               "default --engine builtin")
+            raise RuntimeError(rollout.VLLM_MISSING)
         rows, stats = data.load_rows(cfg.task, cfg.data, seed=cfg.seed)
         if not rows:
             raise ValueError(f"task {cfg.task} has no usable rows ({stats})")

