@@ -24,7 +24,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 # Each field is a flag of train.py; a preset only chooses its default.
 _COMMON = dict(
     beta=0.0,                 # weight of the k3 KL to the reference (base with LoRA disabled); 0 = off
-    tis_cap=None,             # TIS cap C; None = engine default (TIS_CAP_BY_ENGINE), 0 = off
+    tis_cap=None,             # TIS cap C on pi_trainer / pi_engine; None = TIS_CAP (on for every engine), 0 = off
     max_sample_rounds=1,      # rollout rounds per step when dynamic sampling refills the batch
     overlong_cache_frac=0.0,  # overlong shaping window as a fraction of the max length; 0 = off
     overlong_factor=1.0,      # overlong penalty reached at the max length
@@ -58,7 +58,10 @@ PRESETS: dict[str, dict] = {
         dynamic_sampling=False,
     ),
 }
-TIS_CAP_BY_ENGINE = {"vllm": 2.0}  # TIS on by default for vLLM; off for the built-in engine (same kernels)
+# TIS on by default, whatever the engine: the samples come from the engine's policy (AQN noise in its norms, other
+# kernels or precision), the loss assumes the trainer's, and the weight corrects exactly that gap. Where the two are
+# the same policy the weight is 1 and changes nothing, so one default gives every engine the same objective.
+TIS_CAP = 2.0  # verl's default C (TRL uses 3)
 
 
 def apply_preset(algo: str, overrides: dict) -> dict:
@@ -72,10 +75,10 @@ def apply_preset(algo: str, overrides: dict) -> dict:
     return cfg
 
 
-def resolve_tis_cap(tis_cap: float | None, engine: str) -> float | None:
-    """The TIS cap to use: None picks the engine's default, 0 (or less) turns TIS off."""
+def resolve_tis_cap(tis_cap: float | None) -> float | None:
+    """The TIS cap to use: None picks the default (TIS_CAP), 0 (or less) turns TIS off."""
     if tis_cap is None:
-        return TIS_CAP_BY_ENGINE.get(engine)
+        return TIS_CAP
     return tis_cap if tis_cap > 0 else None
 
 
@@ -210,7 +213,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     Returns (loss, metrics): metrics are floats, token means over this call's mask: clip_frac_low/high
     (tokens whose gradient the clip removed), ratio_mean, approx_kl_old (k3 KL(pi_old || pi)), tokens,
     and when given: kl_ref, mismatch_abs (mean |old_logp - engine_logp|), mismatch_kl (k3 KL(engine ||
-    trainer)), tis_weight_mean, tis_capped_frac.
+    trainer)), is_ratio_max (the largest raw pi_trainer / pi_engine), tis_weight_mean, tis_weight_max and
+    tis_capped_frac (the weights after the cap, and the fraction of tokens the cap truncated). is_ratio_max and
+    tis_weight_max are maxima over the call's tokens, not means.
     """
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the base model's log-probs, LoRA disabled)")
@@ -244,11 +249,14 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         eng_diff = torch.where(valid, old - engine_logp.float().detach(), zero)  # (S, T) log pi_tr/pi_eng
         metrics["mismatch_abs"] = tmean(eng_diff.abs())
         metrics["mismatch_kl"] = tmean(_k3(eng_diff))
+        raw = torch.exp(eng_diff)                                          # (S, T) pi_trainer / pi_engine
+        metrics["is_ratio_max"] = torch.where(valid, raw, zero).max().item() if valid.any() else 1.0
         if tis_cap is not None:
-            w = torch.exp(eng_diff).clamp(max=tis_cap)                    # (S, T), detached
+            w = raw.clamp(max=tis_cap)                                     # (S, T), detached
             loss_tok = loss_tok * w
             metrics["tis_weight_mean"] = tmean(w)
-            metrics["tis_capped_frac"] = tmean(torch.exp(eng_diff) > tis_cap)
+            metrics["tis_weight_max"] = metrics["is_ratio_max"] if metrics["is_ratio_max"] < tis_cap else tis_cap
+            metrics["tis_capped_frac"] = tmean(raw > tis_cap)
     if ref_logp is not None:
         kl = _k3(torch.where(valid, ref_logp.float().detach() - logp, zero))  # (S, T)
         metrics["kl_ref"] = tmean(kl)

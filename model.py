@@ -429,6 +429,9 @@ def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, tempera
     Returns (logp (N,), entropy (N,) or None); the entropy carries no gradient.
     """
     W = model.lm_weight()
+    if h.shape[0] == 0:  # e.g. a micro-batch whose samples are all masked (--mask-truncated)
+        empty = h.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if entropy else None)
 
     def one(hc, tc):
         z = F.linear(hc, W).float() / temperature                           # (n, V)

@@ -1,36 +1,32 @@
-"""train.py: GRPO / DAPO / Dr.GRPO with an NVFP4 base + LoRA + AQN, on one GPU (or a CPU for the tiny default).
+"""train.py: GRPO / DAPO / Dr.GRPO with an NVFP4 base + LoRA + AQN, on one GPU (or a CPU for the small default).
 
-    python train.py --algo dapo                                  # built-in default: tiny model, synthetic task
+    python train.py --algo dapo                                  # built-in default (see README)
     python train.py --algo dapo --model Qwen/Qwen2.5-7B-Instruct --task gsm8k_train --steps 500 \\
-        --prompts-per-step 16 --group-size 8 --max-new-tokens 1024 --lr 1e-5 --eval-task gsm8k   # the real recipe
+        --prompts-per-step 16 --group-size 8 --max-new-tokens 1024 --lr 1e-5 --eval-task gsm8k
     python train.py --resume runs/dapo-20261122-120000          # continue exactly where it stopped
+    python train.py --resume runs/dapo-20261122-120000 --steps 80   # extend a finished run
     python train.py --plot runs/dapo-20261122-120000            # redraw curves.png
 
-One RL step: sample prompts -> roll out G completions each (built-in engine by default; the same modules that
-train) -> fail-closed rewards (data.py) -> group advantages, DAPO dynamic sampling and overlong shaping (grpo.py)
--> the trainer's log-probs -> several PPO minibatch updates of the LoRA weights (AdamW) -> next AQN sigma.
-Every random draw (prompts, sampling, noise, shuffling) is derived from (seed, step), so --resume replays exactly.
-The run folder holds config.json, metrics.jsonl, curves.png and checkpoints/step_N/ (PEFT adapter, optimizer,
-RNG, step), written atomically; a NaN loss stops the run and keeps the last good checkpoint.
+One RL step:
+  1. sample prompts, roll out G completions each with AQN noise in the engine's norms (rollout.py);
+  2. score them with fail-closed rewards (data.py); DAPO drops groups that are all right or all wrong
+     and rolls out more prompts until the batch is full;
+  3. group advantages and overlong shaping (grpo.py);
+  4. the trainer's own log-probs pi_old, without noise (the engine sampled from a noisy policy: the TIS
+     weight min(pi_old / pi_engine, C) corrects that, for every engine);
+  5. several PPO minibatch updates of the LoRA weights (AdamW), then the next AQN sigma (noise.py).
+Every random draw (prompts, sampling, noise, shuffling) is derived from (seed, step), so --resume replays
+exactly. The run folder holds config.json, metrics.jsonl, curves.png and checkpoints/ (checkpoint.py).
 
-The built-in default (--model tiny) builds once a tiny random Qwen2 with the real tokenizer and spends ~20 s of
-supervised warm-up teaching it the answer format with random digits, so RL starts at chance (1 in 10) on the
-synthetic task (the lucky digit, always 7) and has to find the answer: accuracy climbs within ~40 steps on a CPU.
-A random tiny model cannot learn prompt-dependent answers (copy, next digit) that fast; use a pretrained model.
 Leaves out: multi-GPU, reward models, value functions.
 """
-import argparse
 import dataclasses
 import hashlib
-import importlib.util
 import json
-import os
+import math
 import random
-import shutil
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import versions
@@ -38,91 +34,18 @@ import versions
 versions.check()
 import torch  # noqa: E402
 
+import checkpoint  # noqa: E402
 import data  # noqa: E402
+import fsutil  # noqa: E402
 import grpo  # noqa: E402
 import lora  # noqa: E402
 import model as M  # noqa: E402
 import noise  # noqa: E402
 import quantize  # noqa: E402
 import rollout  # noqa: E402
+import runlog  # noqa: E402
 import tiny  # noqa: E402
-
-
-def opt(default, help, **kw):
-    return field(default=default, metadata=dict(help=help, **kw))
-
-
-@dataclass
-class Config:
-    algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (see grpo.PRESETS); every knob below overrides it")
-    model: str = opt("tiny", "HF folder or hub id; 'tiny' = the built-in warm-started tiny Qwen2")
-    base: str = opt("nvfp4", "base precision: nvfp4 (bf16 checkpoints are quantized while loading) or bf16")
-    task: str = opt("synthetic", f"training data: {', '.join(data.TASKS)}")
-    data: str = opt(None, "JSONL path for the task (needed for math12k)")
-    fmt: str = opt("boxed", "answer format: boxed or think")
-    steps: int = opt(None, "RL steps (default 500; 40 for the tiny model)")
-    prompts_per_step: int = opt(8, "prompt groups per RL step")
-    group_size: int = opt(8, "G, completions per prompt")
-    max_new_tokens: int = opt(8, "completion length limit")
-    temperature: float = opt(1.0, "sampling temperature (the trainer's log-probs use the same)")
-    top_p: float = opt(1.0, "nucleus sampling mass (1 keeps engine and trainer log-probs identical)")
-    lr: float = opt(None, "AdamW learning rate of the LoRA weights (default 1e-5, QeRL's NVFP4 choice; 5e-3 tiny)")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    warmup_steps: int = opt(0, "linear learning-rate warm-up steps")
-    max_grad_norm: float = opt(1.0, "gradient clipping")
-    lora_rank: int = opt(None, "LoRA rank (default 32; 8 for the tiny model)")
-    lora_alpha: float = opt(None, "LoRA alpha, the scale is alpha / rank (default 64; 16 for the tiny model)")
-    epochs: int = opt(1, "passes over each rollout batch")
-    minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
-    micro_batch: int = opt(16, "sequences per forward/backward (gradient accumulation inside a minibatch)")
-    std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not (Dr.GRPO)")
-    eps_low: float = opt(None, "PPO clip below 1")
-    eps_high: float = opt(None, "PPO clip above 1 (DAPO clip-higher: 0.28)")
-    agg: str = opt(None, f"loss aggregation: {', '.join(grpo.AGGREGATIONS)}")
-    beta: float = opt(None, "k3 KL to the base policy (LoRA disabled); 0 = off")
-    tis_cap: float = opt(None, "TIS cap C on pi_trainer / pi_engine; 0 = off; default: on (2) for vllm only")
-    dynamic_sampling: bool = opt(None, "DAPO: drop all-equal groups and roll out more prompts")
-    max_sample_rounds: int = opt(None, "bound on rollout rounds per step with dynamic sampling")
-    overlong_cache_frac: float = opt(None, "DAPO overlong penalty window, a fraction of max_new_tokens; 0 = off")
-    overlong_factor: float = opt(None, "overlong penalty at the length limit")
-    mask_truncated: bool = opt(None, "zero the loss of samples cut at the length limit")
-    format_weight: float = opt(None, "reward weight of the answer format (default 0; 0.2 for the tiny model, "
-                                     "whose format otherwise erodes under negative advantages)")
-    accuracy_weight: float = opt(1.0, "reward weight of a correct answer")
-    aqn: bool = opt(True, "adaptive quantization noise in the norms")
-    sigma_start: float = opt(1e-2, "AQN sigma of stage 1")
-    sigma_end: float = opt(5e-4, "AQN sigma the schedule decays to")
-    aqn_stages: int = opt(10, "AQN stages (stage 0 has no noise)")
-    aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training forward too)")
-    engine: str = opt("builtin", "rollout backend: builtin or vllm")
-    grad_checkpoint: bool = opt(True, "recompute each layer in backward (less memory)")
-    eval_task: str = opt(None, "task evaluated every --eval-every steps (default: the training task's held-out rows)")
-    eval_every: int = opt(0, "evaluate every N steps (0 = only at the end)")
-    eval_limit: int = opt(64, "prompts per evaluation")
-    save_every: int = opt(20, "checkpoint every N steps (and at the end)")
-    out: str = opt(None, "run folder (default runs/<algo>-<time>)")
-    seed: int = opt(0, "seed of everything")
-    tensorboard: bool = opt(False, "also log to tensorboard (needs the tensorboard package)")
-    wandb: bool = opt(False, "also log to Weights & Biases (needs wandb)")
-    device: str = opt(None, "cuda or cpu (default: cuda when present)")
-
-
-def parse_args(argv=None) -> tuple[Config, argparse.Namespace]:
-    ap = argparse.ArgumentParser(description="RL (GRPO / DAPO / Dr.GRPO) on an NVFP4 base with LoRA and AQN.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        name, kind = "--" + f.name.replace("_", "-"), (type(f.default) if f.default is not None else str)
-        kind = {"steps": int, "lr": float, "beta": float, "eps_low": float, "eps_high": float, "tis_cap": float,
-                "max_sample_rounds": int, "overlong_cache_frac": float, "overlong_factor": float, "lora_rank": int,
-                "lora_alpha": float, "format_weight": float}.get(f.name, kind)
-        if f.type in ("bool", bool) or isinstance(f.default, bool):
-            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:
-            ap.add_argument(name, type=kind, default=f.default, help=f.metadata["help"])
-    ap.add_argument("--resume", default=None, help="continue the run in this folder from its last checkpoint")
-    ap.add_argument("--plot", default=None, help="only redraw RUN/curves.png from RUN/metrics.jsonl")
-    args = ap.parse_args(argv)
-    return Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)}), args
+from train_config import Config, Stop, check_config, parse_args, resolve_config  # noqa: E402
 
 
 def seeded(cfg: Config, *keys) -> int:
@@ -130,7 +53,22 @@ def seeded(cfg: Config, *keys) -> int:
     return int(hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()[:15], 16)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+def lr_factor(i: int, total: int, warmup: int, schedule: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step i of `total` (0-based).
+
+    Warm-up i / warmup, then constant 1, linear (total - i) / (total - warmup), or cosine
+    0.5 * (1 + cos(pi * progress)): transformers' get_*_schedule_with_warmup, which TRL uses."""
+    if i < warmup:
+        return i / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    progress = (i - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Rollout, rewards, the training batch
 
 def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_):
@@ -139,24 +77,48 @@ def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_):
     picks = [rows[rng.randrange(len(rows))] for _ in range(cfg.prompts_per_step)]
     prompts = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in picks]
     t0 = time.time()
-    samples = engine.generate(prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, stop_token_ids=stops, seed=seeded(cfg, "sample", step, round_))
+    samples = engine.generate(prompts, n=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, top_p=cfg.top_p, stop_token_ids=stops,
+                              seed=seeded(cfg, "sample", step, round_))
     t_roll = time.time() - t0
     cache = round(p["overlong_cache_frac"] * cfg.max_new_tokens)
     groups = []
     for i, row in enumerate(picks):
         ss = samples[i * cfg.group_size:(i + 1) * cfg.group_size]
-        scores = [data.score(tok.decode(s.tokens, skip_special_tokens=True), row["gold"], row["kind"], cfg.fmt,
-                             cfg.format_weight, cfg.accuracy_weight) for s in ss]
-        pen = grpo.overlong_penalty(torch.tensor([len(s.tokens) for s in ss]), cfg.max_new_tokens, cache,
-                                    p["overlong_factor"])
+        texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in ss]
+        scores = [data.score(t, row["gold"], row["kind"], cfg.fmt, cfg.format_weight,
+                             cfg.accuracy_weight) for t in texts]
+        lengths = torch.tensor([len(s.tokens) for s in ss])                   # (G,)
+        pen = grpo.overlong_penalty(lengths, cfg.max_new_tokens, cache, p["overlong_factor"])
         groups.append(dict(prompt=prompts[i], samples=ss, scores=scores,
-                           rewards=torch.tensor([sc["reward"] for sc in scores]) + pen))
+                           correct=torch.tensor([float(sc["correct"]) for sc in scores]),  # (G,)
+                           rewards=torch.tensor([sc["reward"] for sc in scores]) + pen))   # (G,)
     return groups, t_roll, sum(len(s.tokens) for s in samples)
 
 
+def sample_batch(cfg, p, step, engine, tok, rows, stops):
+    """Roll out rounds of prompt groups until the batch is full (DAPO dynamic sampling, bounded).
+
+    Dynamic sampling judges a group by ACCURACY, as DAPO and verl (filter_groups.metric=acc) do: a
+    group whose answers are all right or all wrong is dropped, whatever its shaped reward (an overlong
+    penalty on one of eight right answers must not turn the group into a learning signal)."""
+    rounds = p["max_sample_rounds"] if p["dynamic_sampling"] else 1
+    kept, seen, t_roll, n_tok = [], [], 0.0, 0
+    for round_ in range(1, rounds + 1):
+        groups, t, n = rollout_groups(cfg, p, engine, tok, rows, step, stops, round_)
+        seen, t_roll, n_tok = seen + groups, t_roll + t, n_tok + n
+        if p["dynamic_sampling"]:
+            keep = grpo.dynamic_sampling_keep(torch.stack([g["correct"] for g in groups]))  # (B,)
+        else:
+            keep = torch.ones(len(groups), dtype=torch.bool)
+        kept += [g for g, k in zip(groups, keep.tolist()) if k]
+        done, batch, _ = grpo.fill_batch(kept, cfg.prompts_per_step, round_, rounds)
+        if done:
+            return batch, seen, dict(rounds=round_, t_rollout=t_roll, rollout_tokens=n_tok)
+
+
 def make_batch(groups, adv, device):
-    """Pack prompt + completion per sequence: ids (S, L), valid (S, L), completion index (S, T), mask (S, T)."""
+    """Pack prompt + completion per sequence: ids (S, L), valid (S, L), pos (S, T), mask (S, T)."""
     seqs = [(g["prompt"], s) for g in groups for s in g["samples"]]
     S, L = len(seqs), max(len(p) + len(s.tokens) for p, s in seqs)
     T = max(len(s.tokens) for _, s in seqs)
@@ -167,304 +129,354 @@ def make_batch(groups, adv, device):
         n = len(s.tokens)
         ids[i, :len(p) + n] = torch.tensor(p + s.tokens)
         valid[i, :len(p) + n] = True
-        pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)       # hidden state that predicts each token
-        mask[i, :n], eng[i, :n], trunc[i] = 1.0, torch.tensor(s.logprobs), s.finish_reason == "length"
-    b = dict(ids=ids, valid=valid, pos=pos, mask=mask, engine_logp=eng, truncated=trunc, adv=adv.reshape(-1).float())
+        pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)  # the hidden state that predicts each token
+        mask[i, :n] = 1.0
+        eng[i, :n] = torch.tensor(s.logprobs)                  # the sampling engine's log-probs
+        trunc[i] = s.finish_reason == "length"
+    b = dict(ids=ids, valid=valid, pos=pos, mask=mask, engine_logp=eng, truncated=trunc,
+             adv=adv.reshape(-1).float())
     return {k: v.to(device) for k, v in b.items()}
 
 
 def policy_logprobs(model, b, idx, temperature, entropy=False):
-    """The policy's log-probs of the completion tokens of sequences idx: (s, T) (zeros off the mask)."""
+    """The policy's log-probs of the completion tokens of sequences idx: (s, T), zeros off the mask."""
     h = model.forward_padded(b["ids"][idx], b["valid"][idx])                  # (s, L, H)
-    m = b["mask"][idx] > 0
-    rows = torch.arange(len(idx), device=h.device)[:, None].expand_as(m)[m]
+    m = b["mask"][idx] > 0                                                    # (s, T)
+    rows = torch.arange(len(idx), device=h.device)[:, None].expand_as(m)[m]   # (n,)
     hs = h[rows, b["pos"][idx][m]]                                            # (n, H)
     tgt = b["ids"][idx].gather(1, b["pos"][idx] + 1)[m]                       # (n,)
-    lp, ent = M.token_logprobs(model, hs, tgt, temperature, entropy=entropy)
+    lp, ent = M.token_logprobs(model, hs, tgt, temperature, entropy=entropy)  # (n,), (n,)
     out = torch.zeros(m.shape, device=h.device, dtype=lp.dtype).masked_scatter(m, lp)
     ents = torch.zeros(m.shape, device=h.device).masked_scatter(m, ent) if entropy else None
     return out, ents
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The loop
+# ----------------------------------------------------------------------------------------------------
+# The update
 
-def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, sched, gen_noise):
-    sigma = noise.sigma_at(step, cfg.steps, cfg.sigma_start, cfg.sigma_end, cfg.aqn_stages) if cfg.aqn else 0.0
-    noise.apply(model, sigma, torch.Generator().manual_seed(seeded(cfg, "aqn", step))) if sigma > 0 else noise.clear(model)
-    if cfg.engine == "vllm":
-        engine.set_noise(model.noise)
-    t0, kept, all_groups, t_roll, n_tok = time.time(), [], [], 0.0, 0
-    for round_ in range(1, p["max_sample_rounds"] + 1):                     # DAPO dynamic sampling (bounded)
-        groups, tr, nt = rollout_groups(cfg, p, engine, tok, rows, step, stops, round_)
-        all_groups, t_roll, n_tok = all_groups + groups, t_roll + tr, n_tok + nt
-        rewards = torch.stack([g["rewards"] for g in groups])
-        keep = grpo.dynamic_sampling_keep(rewards) if p["dynamic_sampling"] else torch.ones(len(groups), dtype=torch.bool)
-        kept += [g for g, k in zip(groups, keep.tolist()) if k]
-        done, batch, status = grpo.fill_batch(kept, cfg.prompts_per_step, round_, p["max_sample_rounds"] if p["dynamic_sampling"] else 1)
-        if done:
-            break
-    if cfg.aqn_where == "rollout_only":
-        noise.clear(model)
-    if cfg.engine == "vllm":
-        engine.sleep()                                                        # free its GPU memory for training
-    all_r = torch.stack([g["rewards"] for g in all_groups])
-    sc = [s for g in all_groups for s in g["scores"]]
-    m = dict(step=step, sigma=sigma, reward=all_r.mean().item(), accuracy=sum(s["correct"] for s in sc) / len(sc),
-             format_rate=sum(s["format_ok"] for s in sc) / len(sc), parse_fail=sum(s["parse_failed"] for s in sc) / len(sc),
-             zero_var_frac=grpo.zero_variance_groups(all_r).float().mean().item(), rounds=round_,
-             resp_len=n_tok / len(sc), rollout_tok_s=n_tok / max(t_roll, 1e-9), t_rollout=t_roll,
-             t_reward=time.time() - t0 - t_roll, kept_groups=len(batch))
-    if not batch:
-        return m | dict(skipped=1)
-    t1 = time.time()
-    adv = grpo.group_advantages(torch.stack([g["rewards"] for g in batch]), p["std_normalize"])
-    dev = model.model.norm.weight.device
-    b = make_batch(batch, adv, dev)
-    S = b["ids"].shape[0]
-    if p["mask_truncated"]:
-        b["mask"] = grpo.mask_truncated(b["mask"], b["truncated"])
-    with torch.no_grad():                                                     # pi_old (and the reference policy)
-        chunks = [torch.arange(i, min(S, i + cfg.micro_batch), device=dev) for i in range(0, S, cfg.micro_batch)]
-        olds = [policy_logprobs(model, b, c, cfg.temperature, entropy=True) for c in chunks]
-        b["old_logp"], ent = torch.cat([o[0] for o in olds]), torch.cat([o[1] for o in olds])
-        if p["beta"] > 0:
-            with lora.disabled(model):
-                b["ref_logp"] = torch.cat([policy_logprobs(model, b, c, cfg.temperature)[0] for c in chunks])
-    tis = grpo.resolve_tis_cap(p["tis_cap"], cfg.engine)
+def merge_stats(parts: list[dict]) -> dict:
+    """One minibatch's metrics from its micro-batches': the loss is their sum (each was normalised by
+    the minibatch's global counts), maxima take the max, token means are weighted by tokens."""
+    tokens = sum(s["tokens"] for s in parts)
+    out = {"loss": sum(s["loss"] for s in parts)}
+    for k in parts[0]:
+        if k in ("loss", "tokens"):
+            continue
+        if k.endswith("_max"):
+            out[k] = max(s[k] for s in parts)
+        else:
+            out[k] = sum(s[k] * s["tokens"] for s in parts) / max(tokens, 1.0)
+    return out
+
+
+def ppo_update(cfg, p, step, model, b, opt_) -> dict:
+    """epochs x minibatches AdamW steps on the LoRA weights. Raises FloatingPointError before any
+    optimizer step whose loss or gradient norm is not finite, so no NaN reaches the weights."""
+    S, dev = b["ids"].shape[0], b["ids"].device
+    per_step = cfg.epochs * cfg.minibatches
+    total = cfg.steps * per_step
+    tis = grpo.resolve_tis_cap(p["tis_cap"])
     g = torch.Generator().manual_seed(seeded(cfg, "shuffle", step))
-    model.train()
     stats, gnorms = [], []
-    for _ in range(cfg.epochs):
-        for mb in torch.randperm(S, generator=g).to(dev).chunk(cfg.minibatches):
-            n_tok, n_seq = b["mask"][mb].sum().item(), (b["mask"][mb].sum(1) > 0).sum().item()
+    model.train()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(S, generator=g).to(dev)
+        for j, mb in enumerate(order.chunk(cfg.minibatches)):
+            i = step * per_step + epoch * cfg.minibatches + j         # this optimizer step's index
+            for group in opt_.param_groups:
+                group["lr"] = cfg.lr * lr_factor(i, total, cfg.warmup_steps, cfg.lr_schedule)
+            n_tok = b["mask"][mb].sum().item()                        # global counts of the minibatch
+            n_seq = (b["mask"][mb].sum(1) > 0).sum().item()
+            parts = []
             for c in mb.split(cfg.micro_batch):
+                if b["mask"][c].sum() == 0:                           # all masked: adds nothing
+                    continue
                 lp, _ = policy_logprobs(model, b, c, cfg.temperature)
-                loss, st = grpo.policy_loss(lp, b["old_logp"][c], b["adv"][c], b["mask"][c], eps_low=p["eps_low"],
-                                            eps_high=p["eps_high"], agg=p["agg"], max_len=cfg.max_new_tokens,
-                                            ref_logp=b["ref_logp"][c] if p["beta"] > 0 else None, beta=p["beta"],
-                                            engine_logp=b["engine_logp"][c], tis_cap=tis, num_tokens=n_tok, num_seqs=n_seq)
+                loss, st = grpo.policy_loss(
+                    lp, b["old_logp"][c], b["adv"][c], b["mask"][c],
+                    eps_low=p["eps_low"], eps_high=p["eps_high"], agg=p["agg"],
+                    max_len=cfg.max_new_tokens, beta=p["beta"],
+                    ref_logp=b["ref_logp"][c] if p["beta"] > 0 else None,
+                    engine_logp=b["engine_logp"][c], tis_cap=tis,
+                    num_tokens=n_tok, num_seqs=n_seq)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"the loss is {loss.item()} at step {step}")
                 loss.backward()
-                stats.append(st)
-            gnorms.append(torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), cfg.max_grad_norm).item())
+                parts.append(st)
+            if not parts:
+                continue
+            params = lora.lora_parameters(model)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+            if not math.isfinite(gnorm):
+                raise FloatingPointError(f"the gradient norm is {gnorm} at step {step}")
             opt_.step()
             opt_.zero_grad(set_to_none=True)
-    sched.step()
+            stats.append(merge_stats(parts))
+            gnorms.append(gnorm)
     model.eval()
-    avg = {k: sum(s[k] for s in stats if k in s) / max(1, sum(k in s for s in stats)) for k in stats[0]}
-    mem = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-    return m | {k: v for k, v in avg.items() if k != "tokens"} | dict(
-        entropy=(ent * b["mask"]).sum().item() / b["mask"].sum().item(), grad_norm=sum(gnorms) / len(gnorms),
-        lr=sched.get_last_lr()[0], t_train=time.time() - t1, peak_mem_gb=mem)
+    if not stats:
+        return {}
+    out = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0] if not k.endswith("_max")}
+    out |= {k: max(s[k] for s in stats) for k in stats[0] if k.endswith("_max")}
+    out["grad_norm"] = sum(gnorms) / len(gnorms)
+    out["lr"] = opt_.param_groups[0]["lr"]
+    return out
 
 
-def save_checkpoint(run: Path, step: int, model, opt_, sched, cfg: Config, base_model: str):
-    ck = run / "checkpoints" / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step_{step:06d}-", dir=run / "checkpoints"))
-    lora.save_adapter(model, tmp / "adapter", base_model=base_model)
-    torch.save(dict(step=step, optimizer=opt_.state_dict(), scheduler=sched.state_dict(),
-                    rng=dict(torch=torch.get_rng_state(), python=random.getstate())), tmp / "state.pt")
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    if ck.exists():
-        shutil.rmtree(ck)
-    tmp.rename(ck)
-    (run / "checkpoints" / ".latest.tmp").write_text(ck.name)
-    os.replace(run / "checkpoints" / ".latest.tmp", run / "checkpoints" / "latest")
+def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_) -> dict:
+    """One RL step (see the module docstring). Returns the step's metrics."""
+    # 1. AQN: fresh noise for this step's rollout (never added to the previous step's)
+    sigma = noise.sigma_at(step, cfg.steps, cfg.sigma_start, cfg.sigma_end, cfg.aqn_stages)
+    sigma = sigma if cfg.aqn else 0.0
+    if sigma > 0:
+        noise.apply(model, sigma, torch.Generator().manual_seed(seeded(cfg, "aqn", step)))
+    else:
+        noise.clear(model)
+    if cfg.engine == "vllm":
+        engine.set_noise(model.noise)
+
+    # 2. rollout and rewards
+    t0 = time.time()
+    batch, seen, r = sample_batch(cfg, p, step, engine, tok, rows, stops)
+    if cfg.aqn_where == "rollout_only":
+        noise.clear(model)                 # the trainer's pi_old and updates are clean
+    if cfg.engine == "vllm":
+        engine.sleep()                     # free its GPU memory for training
+    scores = [s for g in seen for s in g["scores"]]
+    all_rewards = torch.stack([g["rewards"] for g in seen])                        # (B_seen, G)
+    m = dict(step=step, sigma=sigma, rounds=r["rounds"], kept_groups=len(batch))
+    m["reward"] = all_rewards.mean().item()
+    m["accuracy"] = sum(s["correct"] for s in scores) / len(scores)
+    m["format_rate"] = sum(s["format_ok"] for s in scores) / len(scores)
+    m["parse_fail"] = sum(s["parse_failed"] for s in scores) / len(scores)
+    m["zero_var_frac"] = grpo.zero_variance_groups(all_rewards).float().mean().item()
+    m["resp_len"] = r["rollout_tokens"] / len(scores)
+    m["rollout_tok_s"] = r["rollout_tokens"] / max(r["t_rollout"], 1e-9)
+    m["t_rollout"] = r["t_rollout"]
+    m["t_reward"] = time.time() - t0 - r["t_rollout"]
+    if not batch:
+        return m | dict(skipped=1)
+
+    # 3. advantages, and the trainer's log-probs before any update (pi_old; pi_ref when beta > 0)
+    t1 = time.time()
+    adv = grpo.group_advantages(torch.stack([g["rewards"] for g in batch]), p["std_normalize"])
+    b = make_batch(batch, adv, model.model.norm.weight.device)
+    if p["mask_truncated"]:
+        b["mask"] = grpo.mask_truncated(b["mask"], b["truncated"])
+    S = b["ids"].shape[0]
+    chunks = [torch.arange(i, min(S, i + cfg.micro_batch), device=b["ids"].device)
+              for i in range(0, S, cfg.micro_batch)]
+    with torch.no_grad():
+        olds = [policy_logprobs(model, b, c, cfg.temperature, entropy=True) for c in chunks]
+        b["old_logp"] = torch.cat([o[0] for o in olds])                           # (S, T)
+        ent = torch.cat([o[1] for o in olds])                                     # (S, T)
+        if p["beta"] > 0:
+            with lora.disabled(model):
+                refs = [policy_logprobs(model, b, c, cfg.temperature)[0] for c in chunks]
+            b["ref_logp"] = torch.cat(refs)
+    m["entropy"] = (ent * b["mask"]).sum().item() / max(b["mask"].sum().item(), 1.0)
+
+    # 4. the PPO updates
+    m |= ppo_update(cfg, p, step, model, b, opt_)
+    m["t_train"] = time.time() - t1
+    dev = b["ids"].device
+    m["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+    return m
 
 
-def plot(run: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    keys = [k for k in ("reward", "accuracy", "eval_accuracy", "entropy", "resp_len", "mismatch_abs", "sigma", "kl_ref")
-            if any(k in r for r in rows)]
-    fig, axes = plt.subplots(2, (len(keys) + 1) // 2, figsize=(4 * ((len(keys) + 1) // 2), 6), squeeze=False)
-    for ax in axes.flat[len(keys):]:
-        ax.axis("off")
-    for ax, k in zip(axes.flat, keys):
-        ax.plot([r["step"] for r in rows if k in r], [r[k] for r in rows if k in r], marker="o" if k.startswith("eval") else None)
-        ax.set_title(k)
-        ax.set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(run / "curves.png", dpi=80)
-    plt.close(fig)
-    return run / "curves.png"
+# ----------------------------------------------------------------------------------------------------
+# Set-up: every check runs before anything is written
+
+def load_data(cfg: Config) -> tuple[list, list]:
+    """Training rows and held-out evaluation rows, which never share a row."""
+    rows, stats = data.load_rows(cfg.task, cfg.data, seed=cfg.seed)
+    skipped = [f"{v} {k[len('skipped_'):].replace('_', ' ')}" for k, v in stats.items()
+               if k.startswith("skipped_") and v]                  # e.g. "3 bad gold"
+    print(f"data: {stats['rows']} usable rows of {stats['read']} read from {stats['source']}"
+          + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    if cfg.eval_task is not None and (cfg.eval_task != cfg.task or cfg.data is not None):
+        eval_rows = data.load_rows(cfg.eval_task, limit=cfg.eval_limit)[0]
+        print(f"eval: {len(eval_rows)} rows of {cfg.eval_task}")
+        return rows, eval_rows
+    if len(rows) < 2 * cfg.eval_limit:
+        raise Stop(f"task {cfg.task} has {len(rows)} rows, fewer than 2 x --eval-limit "
+                   f"({cfg.eval_limit}) needed to hold some out for evaluation: lower --eval-limit, "
+                   "or pass --eval-task")
+    print(f"eval: the last {cfg.eval_limit} of the {len(rows)} shuffled rows are held out "
+          "(never trained on)")
+    return rows[:-cfg.eval_limit], rows[-cfg.eval_limit:]
 
 
-def main(argv=None):
-    from tqdm import tqdm
+def load_policy(cfg: Config, dev: torch.device):
+    """(model folder, tokenizer, model) with one-line errors for folders that cannot be used."""
     from transformers import AutoTokenizer
 
+    folder = tiny.tiny_model_dir(cfg.seed) if cfg.model == "tiny" else cfg.model
+    try:
+        local = quantize.resolve_model_dir(str(folder))  # a hub id is downloaded here
+        json.loads((local / "config.json").read_text())
+        tok = AutoTokenizer.from_pretrained(local)
+        model = M.Model.from_pretrained(str(local), device=dev, quantize_on_load=cfg.base == "nvfp4",
+                                        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    except quantize.QuantizeError as e:
+        raise Stop(str(e)) from None
+    except FileNotFoundError as e:
+        raise Stop(f"--model {folder}: {e.filename or e} is missing; pass a complete HF folder") from None
+    except json.JSONDecodeError as e:
+        raise Stop(f"--model {folder}: config.json is not valid JSON ({e}); re-download it") from None
+    except torch.cuda.OutOfMemoryError:
+        raise Stop(f"--model {folder} does not fit on this GPU: use --base nvfp4, or a smaller "
+                   "model") from None
+    if cfg.base == "bf16" and any(lin.words is not None for _, lin in model.linears()):
+        raise Stop(f"{folder} is an NVFP4 checkpoint: pass its bf16 original for --base bf16")
+    return str(local), tok, model
+
+
+def make_engine(cfg: Config, model, model_dir: str, dev, max_len: int):
+    if cfg.engine == "builtin":
+        return rollout.make_engine("builtin", model, max_len=max_len,
+                                   max_batch=cfg.prompts_per_step * cfg.group_size)
+    # vLLM reads a folder: the NVFP4 one the trainer's base was quantized to (written once, reused)
+    vdir = model_dir
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg.base == "nvfp4" and "quantization_config" not in raw:
+        vdir = Path("runs/.cache") / (Path(model_dir).name + "-NVFP4")
+        if not vdir.exists():
+            quantize.quantize_checkpoint(model_dir, str(vdir), device=dev.type)
+    kw = {"dtype": "float32"} if dev.type == "cpu" else {}  # the trainer's dtype
+    return rollout.make_engine("vllm", model_dir=str(vdir), max_model_len=max_len, **kw)
+
+
+def evaluate(cfg, model, engine, tok, rows, stops, run, step) -> dict:
+    """Greedy accuracy of the current policy without AQN noise (vLLM: woken, adapter synced)."""
     import eval as evaluation
 
-    cfg, args = parse_args(argv)
-    if args.plot:
-        print(f"wrote {plot(Path(args.plot))}")
-        return 0
-    run, start = None, 0
-    if args.resume:
-        run = Path(args.resume)
-        if not (run / "config.json").exists():
-            print(f"error: {run} is not a run folder (no config.json)", file=sys.stderr)
-            return 2
-        cfg = Config(**json.loads((run / "config.json").read_text()))
-    try:
-        p = grpo.apply_preset(cfg.algo, dataclasses.asdict(cfg))
-        for name, val, allowed in (("task", cfg.task, data.TASKS), ("fmt", cfg.fmt, data.FORMATS), ("base", cfg.base, ("nvfp4", "bf16")),
-                                   ("aqn_where", cfg.aqn_where, noise.WHERE), ("engine", cfg.engine, ("builtin", "vllm")),
-                                   ("agg", p["agg"], grpo.AGGREGATIONS)):
-            if val not in allowed:
-                raise ValueError(f"--{name.replace('_', '-')} {val!r} is not one of: {', '.join(allowed)}")
-        if cfg.prompts_per_step < 1 or cfg.group_size < 2:
-            raise ValueError("need --prompts-per-step >= 1 and --group-size >= 2 (advantages compare samples of a group)")
-        if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise RuntimeError(rollout.VLLM_MISSING)
-        rows, stats = data.load_rows(cfg.task, cfg.data, seed=cfg.seed)
-        if not rows:
-            raise ValueError(f"task {cfg.task} has no usable rows ({stats})")
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    small_run = cfg.model == "tiny"  # defaults that let RL show on a tiny random model within minutes on a CPU
-    for name, real, small in (("steps", 500, 40), ("lr", 1e-5, 5e-3), ("lora_rank", 32, 8), ("lora_alpha", 64.0, 16.0),
-                              ("format_weight", 0.0, 0.2)):
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, small if small_run else real)
-    print("config:", json.dumps(dataclasses.asdict(cfg)))
-    print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))
-    dev = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch.manual_seed(cfg.seed)
-    model_dir = str(tiny.tiny_model_dir(cfg.seed)) if cfg.model == "tiny" else cfg.model
-    eval_rows = rows[-cfg.eval_limit:] if cfg.eval_task is None else data.load_rows(cfg.eval_task, limit=cfg.eval_limit)[0]
-    rows = rows[:-cfg.eval_limit] if cfg.eval_task is None and len(rows) > 2 * cfg.eval_limit else rows
-    try:
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        model = M.Model.from_pretrained(model_dir, device=dev, quantize_on_load=cfg.base == "nvfp4",
-                                        dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)  # CPU: fp32 is faster
-        if cfg.base == "bf16" and any(lin.words is not None for _, lin in model.linears()):
-            raise ValueError(f"{model_dir} is an NVFP4 checkpoint: pass its bf16 original for --base bf16")
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except torch.cuda.OutOfMemoryError:
-        print(f"error: {model_dir} does not fit on this GPU: use --base nvfp4, or a smaller model", file=sys.stderr)
-        return 2
-    params = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
-    model.grad_checkpoint = cfg.grad_checkpoint
-    opt_ = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt_, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
-    if run is None:
-        run = Path(cfg.out or f"runs/{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if (run / "metrics.jsonl").exists():
-            print(f"error: {run} already holds a run: pass --resume {run}, or another --out", file=sys.stderr)
-            return 2
-        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    elif (run / "checkpoints" / "latest").exists():
-        ck = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
-        lora.load_adapter(model, ck / "adapter")
-        st = torch.load(ck / "state.pt", weights_only=False)
-        opt_.load_state_dict(st["optimizer"])
-        sched.load_state_dict(st["scheduler"])
-        torch.set_rng_state(st["rng"]["torch"])
-        random.setstate(st["rng"]["python"])
-        start = st["step"]
-        print(f"resumed {run} at step {start} from {ck}")
-    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-    (run / "metrics.jsonl").write_text("".join(x + "\n" for x in lines if json.loads(x).get("step", 0) < start))
-    stops = [t for t in (tok.convert_tokens_to_ids(x) for x in ("<|im_end|>", "<|endoftext|>")) if t is not None]
-    max_prompt = max(len(data.prompt_token_ids(tok, r["question"], cfg.fmt)) for r in rows + eval_rows)
-    if cfg.engine == "builtin":
-        engine = rollout.make_engine("builtin", model, max_batch=cfg.prompts_per_step * cfg.group_size,
-                                     max_len=max_prompt + cfg.max_new_tokens)
-    else:  # vLLM reads a folder: the NVFP4 one the trainer's base was quantized to (written once, then reused)
-        vdir = model_dir
-        if cfg.base == "nvfp4" and "quantization_config" not in json.loads((quantize.resolve_model_dir(model_dir) / "config.json").read_text()):
-            vdir = Path("runs/.cache") / (Path(model_dir).name + "-NVFP4")
-            if not vdir.exists():
-                quantize.quantize_checkpoint(model_dir, str(vdir), device=dev.type)
-        engine = rollout.make_engine("vllm", model_dir=str(vdir), max_model_len=max_prompt + cfg.max_new_tokens,
-                                     **({"dtype": "float32"} if dev.type == "cpu" else {}))  # the trainer's dtype
-    try:
-        probe = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in eval_rows[:2]]
-        writers = _writers(cfg, run)
-        if start == 0:  # the baseline, before any update
-            _log(run, dict(step=0, **_eval(cfg, evaluation, model, engine, tok, eval_rows, run, 0)), writers)
-        bar = tqdm(range(start, cfg.steps), desc=cfg.algo, unit="step", initial=start, total=cfg.steps)
-        m = {}
-        for step in bar:
-            gap = None
-            if cfg.engine == "vllm":  # the adapter after the last update reaches vLLM; a fixed probe checks the sync
-                engine.wake()
-                gap = engine.sync_lora(model, probe=probe)
-            try:
-                m = rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, sched, None)
-                if gap is not None:
-                    m["lora_sync_gap"] = gap
-            except FloatingPointError as e:
-                print(f"\nerror: {e}; stopping. The last good checkpoint is in {run / 'checkpoints'}", file=sys.stderr)
-                return 3
-            except torch.cuda.OutOfMemoryError:
-                print("\nerror: out of GPU memory: lower --micro-batch, --prompts-per-step, --group-size or "
-                      "--max-new-tokens", file=sys.stderr)
-                return 3
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                m |= _eval(cfg, evaluation, model, engine, tok, eval_rows, run, step + 1)
-            _log(run, m, writers)
-            bar.set_postfix_str(f"reward {m['reward']:.3f} acc {m['accuracy']:.3f} mm {m.get('mismatch_abs', 0):.4f} "
-                                f"sigma {m['sigma']:.1e}")
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save_checkpoint(run, step + 1, model, opt_, sched, cfg, model_dir)
-        final = _eval(cfg, evaluation, model, engine, tok, eval_rows, run, cfg.steps)
-        _log(run, dict(step=cfg.steps, **final), writers)
-        plot(run)
-        print(f"done: {run}  eval accuracy {first_eval(run):.3f} -> {final['eval_accuracy']:.3f} on {len(eval_rows)} held-out prompts; "
-              f"curves in {run / 'curves.png'} (redraw: python train.py --plot {run})")
-        return 0
-    finally:
-        if cfg.engine == "vllm":
-            engine.close()  # vLLM keeps process-wide state: free it for the next engine
-
-
-def _eval(cfg, evaluation, model, engine, tok, rows, run, step):
-    """Greedy accuracy of the current policy without AQN noise (vLLM: woken, current adapter, noise cleared)."""
     noise.clear(model)
     if cfg.engine == "vllm":
         engine.wake()
         engine.set_noise(None)
         if step > 0:
             engine.sync_lora(model)
-    s = evaluation.evaluate(engine, tok, rows, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens, fmt=cfg.fmt,
-                            seed=cfg.seed, out_dir=str(run / "eval" / f"step_{step:06d}"), progress=False)
-    return dict(eval_accuracy=s["pass@1"], eval_parse_fail=s["parse_fail_rate"])
+    s = evaluation.evaluate(engine, tok, rows, n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens,
+                            fmt=cfg.fmt, seed=cfg.seed, stop_ids=stops, progress=False,
+                            out_dir=str(run / "eval" / f"step_{step:06d}"))
+    return dict(eval_accuracy=s["pass@1"], eval_parse_fail=s["parse_fail_rate"],
+                eval_format_rate=s["format_rate"])
 
 
-def first_eval(run) -> float:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return next(r["eval_accuracy"] for r in rows if "eval_accuracy" in r)
+# ----------------------------------------------------------------------------------------------------
+# The run
+
+# Defaults that depend on the model: QeRL's 7B recipe, or what lets RL show on the tiny model within
+# minutes on a CPU. Each applies only where the flag was left out.
+REAL_DEFAULTS = dict(steps=500, lr=1e-5, lora_rank=32, lora_alpha=64.0, format_weight=0.0)
+SMALL_DEFAULTS = dict(steps=40, lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2)
 
 
-def _writers(cfg, run):
-    out = []
-    if cfg.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter
-        out.append(("tb", SummaryWriter(str(run / "tb"))))
-    if cfg.wandb:
-        import wandb
-        out.append(("wandb", wandb.init(project="nanoqerl", config=dataclasses.asdict(cfg), dir=str(run))))
-    return out
+def start_run(cfg: Config, run: Path | None, model, opt_) -> tuple[Path, int]:
+    """Make a new run folder, or restore a resumed run's latest checkpoint. Returns (run, first step)."""
+    if run is None:
+        run = Path(cfg.out or f"runs/{cfg.algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if (run / "metrics.jsonl").exists():
+            raise Stop(f"{run} already holds a run: pass --resume {run}, or another --out")
+        checkpoint.folder(run).mkdir(parents=True, exist_ok=True)
+        fsutil.atomic_write_text(run / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        return run, 0
+    for stale in checkpoint.clean_stale(run):
+        print(f"removed {stale}, left by an interrupted checkpoint write")
+    try:
+        start = checkpoint.load(run, model, opt_)
+    except checkpoint.CheckpointError as e:
+        raise Stop(str(e)) from None
+    if start >= cfg.steps:
+        raise Stop(f"{run} already finished its {start} steps: pass --steps N with N > {start} to "
+                   "extend it")
+    fsutil.atomic_write_text(run / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    runlog.truncate(run, start)
+    print(f"resumed {run} at step {start} of {cfg.steps}")
+    return run, start
 
 
-def _log(run, m, writers):
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(m) + "\n")
-    for kind, w in writers:
-        for k, v in m.items():
-            if isinstance(v, (int, float)) and k != "step":
-                w.add_scalar(k, v, m["step"]) if kind == "tb" else w.log({k: v}, step=m["step"])
+def main(argv=None):
+    from tqdm import tqdm
+
+    cfg, args, given = parse_args(argv)
+    if args.plot:
+        if not (Path(args.plot) / "metrics.jsonl").exists():
+            print(f"error: --plot {args.plot}: no metrics.jsonl there; pass a run folder", file=sys.stderr)
+            return 2
+        print(f"wrote {runlog.plot(Path(args.plot))}")
+        return 0
+    try:
+        cfg, run = resolve_config(cfg, args, given)
+        for name, value in (SMALL_DEFAULTS if cfg.model == "tiny" else REAL_DEFAULTS).items():
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
+        p = check_config(cfg)
+        print("config:", json.dumps(dataclasses.asdict(cfg)))
+        print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))
+        note = noise.schedule_note(cfg.steps, cfg.aqn_stages) if cfg.aqn else None
+        if note:
+            print(note)
+        rows, eval_rows = load_data(cfg)
+        dev = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.manual_seed(cfg.seed)
+        model_dir, tok, model = load_policy(cfg, dev)
+        stops = data.stop_token_ids(tok, model_dir)
+        params = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        model.grad_checkpoint = cfg.grad_checkpoint
+        opt_ = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        run, start = start_run(cfg, run, model, opt_)
+    except (Stop, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return getattr(e, "code", 2)
+    max_prompt = max(len(data.prompt_token_ids(tok, r["question"], cfg.fmt)) for r in rows + eval_rows)
+    engine = make_engine(cfg, model, model_dir, dev, max_prompt + cfg.max_new_tokens)
+    probe = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in eval_rows[:2]]
+    writers = runlog.writers(dataclasses.asdict(cfg), run)
+    step = start
+    try:
+        if start == 0:  # the baseline, before any update
+            base = evaluate(cfg, model, engine, tok, eval_rows, stops, run, 0)
+            runlog.log(run, dict(step=0, **base), writers)
+        bar = tqdm(range(start, cfg.steps), desc=cfg.algo, unit="step", initial=start, total=cfg.steps)
+        for step in bar:
+            gap = None
+            if cfg.engine == "vllm":  # the adapter after the last update reaches vLLM; a probe checks it
+                engine.wake()
+                gap = engine.sync_lora(model, probe=probe)
+            m = rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_)
+            if gap is not None:
+                m["lora_sync_gap"] = gap
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                m |= evaluate(cfg, model, engine, tok, eval_rows, stops, run, step + 1)
+            runlog.log(run, m, writers)
+            bar.set_postfix_str(f"reward {m['reward']:.3f} acc {m['accuracy']:.3f} "
+                                f"fmt {m['format_rate']:.2f} sigma {m['sigma']:.1e}")
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                checkpoint.save(run, step + 1, model, opt_, dataclasses.asdict(cfg), model_dir)
+        final = evaluate(cfg, model, engine, tok, eval_rows, stops, run, cfg.steps)
+        runlog.log(run, dict(step=cfg.steps, **final), writers)
+    except FloatingPointError as e:
+        print(f"\nerror: {e}; stopped before it reached the weights. "
+              f"{checkpoint.where(run, cfg.save_every)}", file=sys.stderr)
+        return 3
+    except torch.cuda.OutOfMemoryError:
+        print("\nerror: out of GPU memory: lower --micro-batch, --prompts-per-step, --group-size or "
+              f"--max-new-tokens. {checkpoint.where(run, cfg.save_every)}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"\ninterrupted at step {step}: {checkpoint.where(run, cfg.save_every)}", file=sys.stderr)
+        return 130
+    finally:
+        if cfg.engine == "vllm":
+            engine.close()  # vLLM keeps process-wide state: free it for the next engine
+    runlog.plot(run)
+    first = runlog.first_eval(run)
+    print(f"done: {run}  held-out greedy accuracy {first:.3f} -> {final['eval_accuracy']:.3f} on "
+          f"{len(eval_rows)} prompts (format {final['eval_format_rate']:.2f}); curves in "
+          f"{run / 'curves.png'} (redraw: python train.py --plot {run})")
+    return 0
 
 
 if __name__ == "__main__":

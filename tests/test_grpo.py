@@ -250,9 +250,22 @@ def test_tis_weight_capping():
         policy_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3), tis_cap=2.0)
 
 
-def test_resolve_tis_cap():
-    assert resolve_tis_cap(None, "vllm") == 2.0 and resolve_tis_cap(None, "builtin") is None
-    assert resolve_tis_cap(0, "vllm") is None and resolve_tis_cap(3.0, "builtin") == 3.0
+def test_tis_is_on_by_default_whatever_the_engine():
+    # One objective for both engines: the built-in engine samples from the noisy (AQN) policy too, so the
+    # correction is on by default with verl's cap C = 2; 0 turns it off, any other value is the cap.
+    assert resolve_tis_cap(None) == 2.0
+    assert resolve_tis_cap(0) is None and resolve_tis_cap(3.0) == 3.0
+
+
+def test_importance_weight_metrics():
+    # trainer log p - engine log p per token: ln 3 (ratio 3, capped at 2), ln 0.5, 0 (ratio 1); one token masked
+    old = torch.tensor([[LN(3.0), LN(0.5), 0.0, 5.0]])
+    eng = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    _, m = policy_loss(old.clone(), old, torch.tensor([1.0]), mask, engine_logp=eng, tis_cap=2.0)
+    assert m["tis_weight_mean"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    assert m["tis_weight_max"] == pytest.approx(2.0) and m["is_ratio_max"] == pytest.approx(3.0)
+    assert m["tis_capped_frac"] == pytest.approx(1 / 3)
 
 
 # ----------------------------------------------------------------------------- presets

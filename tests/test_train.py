@@ -83,8 +83,8 @@ def test_resume_replays_the_same_steps(tmp_path, monkeypatch):
         return real(cfg, p, step, *a)
 
     monkeypatch.setattr(train, "rl_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path, "cut", *args)
+    rc, _, _ = run(tmp_path, "cut", *args)
+    assert rc == 130
     monkeypatch.setattr(train, "rl_step", real)
     assert (tmp_path / "cut" / "checkpoints" / "latest").read_text() == "step_000002"
     assert train.main(["--resume", str(tmp_path / "cut")]) == 0
@@ -94,7 +94,7 @@ def test_resume_replays_the_same_steps(tmp_path, monkeypatch):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     real = grpo.policy_loss
 
     def nan_at_step_2(*a, **k):
@@ -111,7 +111,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(grpo, "policy_loss", nan_at_step_2)
     monkeypatch.setattr(train, "rl_step", counting)
     rc, rows, out = run(tmp_path, "nan", "--algo", "grpo", "--steps", "4", "--save-every", "1")
-    assert rc == 3 and "the loss is nan at step 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 3 and "the loss is nan at step 2" in err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    assert f"python train.py --resume {out}" in err
     assert (out / "checkpoints" / "latest").read_text() == "step_000002"
     assert not (out / "checkpoints" / "step_000003").exists()
 

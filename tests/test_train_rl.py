@@ -1,0 +1,168 @@
+"""train.py's RL step against what verl / TRL / transformers define: dynamic sampling on accuracy, one objective
+for both engines (TIS on by default), safe masking, no NaN into the weights, the minibatch's loss logged, the
+learning-rate schedule in optimizer steps, and evaluation rows that are never trained on. CPU, tiny model."""
+import json
+
+import pytest
+import torch
+
+import grpo
+import rollout
+import train
+from test_train import run
+from train_config import Config, Stop
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+class ScriptedEngine:
+    """Returns the same completions for every prompt: `texts` tokenized, finish reason "stop"."""
+
+    def __init__(self, tok, texts):
+        self.ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def generate(self, prompts, n, **kw):
+        return [rollout.Sample(i, list(self.ids[g]), [-0.1] * len(self.ids[g]), "stop")
+                for i in range(len(prompts)) for g in range(n)]
+
+
+def test_dynamic_sampling_judges_groups_by_accuracy_not_shaped_reward():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(train.tiny.TOKENIZER_DIR)
+    right, long_right = "\\boxed{7}", "\\boxed{7}" + " and so on" * 4  # both correct, the second runs long
+    engine = ScriptedEngine(tok, [right] * 7 + [long_right])
+    n_long = len(engine.ids[-1])
+    cfg = Config(prompts_per_step=1, group_size=8, max_new_tokens=n_long + 1, format_weight=0.0)
+    p = grpo.apply_preset("dapo", dict(max_sample_rounds=1))  # overlong window: the last quarter
+    rows = [dict(question="What is the lucky digit?", gold="7", kind="gsm8k")]
+    batch, seen, _ = train.sample_batch(cfg, p, 0, engine, tok, rows, stops=[])
+    rewards = seen[0]["rewards"]
+    assert rewards[-1] < rewards[0] == 1.0        # the overlong penalty made the rewards unequal...
+    assert grpo.dynamic_sampling_keep(rewards[None]).item()  # ...so a filter on the reward keeps the group
+    assert batch == []                            # DAPO / verl filter on accuracy: all right, so dropped
+
+
+# ----------------------------------------------------------------------------- one training step
+def one_step(tmp_path, name, *args):
+    rc, rows, out = run(tmp_path, name, "--steps", "1", "--eval-limit", "4", *args)
+    assert rc == 0
+    return [r for r in rows if "reward" in r][0], out
+
+
+def noisy_step(tmp_path, name, *args):
+    """The metrics of step 1 of a 2-step run whose second step is an AQN stage (the first has no noise)."""
+    rc, rows, _ = run(tmp_path, name, "--steps", "2", "--eval-limit", "4", "--aqn", "--aqn-stages", "2",
+                      "--sigma-start", "5e-2", "--sigma-end", "5e-2", *args)
+    assert rc == 0
+    return [r for r in rows if "reward" in r and r["step"] == 1][0]
+
+
+def test_importance_weights_are_on_and_logged_for_the_builtin_engine(tmp_path):
+    # AQN noise is in the rollout only: the engine samples from a noisy policy, the trainer is clean
+    m = noisy_step(tmp_path, "tis")
+    assert m["sigma"] == 5e-2 and m["mismatch_abs"] > 0
+    for k in ("tis_weight_mean", "tis_weight_max", "tis_capped_frac"):
+        assert k in m
+    assert 0 < m["tis_weight_max"] <= grpo.TIS_CAP
+    m = noisy_step(tmp_path, "notis", "--tis-cap", "0")
+    assert "tis_weight_mean" not in m and "is_ratio_max" in m
+
+
+def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(tmp_path):
+    # 4 x 8 sequences, 2 minibatches of 16: one micro-batch each, or four of 4 accumulated
+    a, _ = one_step(tmp_path, "mb16", "--micro-batch", "16", "--no-aqn")
+    b, _ = one_step(tmp_path, "mb4", "--micro-batch", "4", "--no-aqn")
+    for k in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl_old", "mismatch_abs"):
+        assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-6), k
+    assert abs(a["loss"]) > 1e-4  # a loss that is really there
+
+
+def test_all_truncated_batch_with_mask_truncated(tmp_path):
+    # One new token cannot close \boxed{...}: every sample is cut at the limit, and all are masked
+    m, _ = one_step(tmp_path, "trunc", "--mask-truncated", "--max-new-tokens", "1", "--no-dynamic-sampling")
+    assert m["entropy"] == 0.0 and "skipped" not in m
+
+
+class NanGrad(torch.autograd.Function):
+    """Identity forward, NaN gradient backward: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")
+
+
+def test_nan_gradient_never_reaches_the_weights(tmp_path, monkeypatch, capsys):
+    real, seen = grpo.policy_loss, {"step": 0}
+    real_step = train.rl_step
+
+    def counting(cfg, p, step, *a):
+        seen["step"] = step
+        return real_step(cfg, p, step, *a)
+
+    def nan_grad_at_step_2(lp, *a, **k):
+        return real(NanGrad.apply(lp) if seen["step"] >= 2 else lp, *a, **k)
+
+    monkeypatch.setattr(grpo, "policy_loss", nan_grad_at_step_2)
+    monkeypatch.setattr(train, "rl_step", counting)
+    rc, rows, out = run(tmp_path, "nangrad", "--algo", "grpo", "--steps", "4", "--save-every", "1")
+    err = capsys.readouterr().err
+    assert rc == 3 and "the gradient norm is nan at step 2" in err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
+    from safetensors.torch import load_file
+    adapter = load_file(out / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in adapter.values())
+    assert not (out / "checkpoints" / "step_000003").exists()
+
+
+# ----------------------------------------------------------------------------- learning rate
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_lr_schedule_matches_transformers(schedule):
+    import transformers
+
+    make = {"constant": lambda o, w, t: transformers.get_constant_schedule_with_warmup(o, w),
+            "linear": transformers.get_linear_schedule_with_warmup,
+            "cosine": transformers.get_cosine_schedule_with_warmup}[schedule]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = make(opt, 3, 20)
+    for i in range(20):
+        assert train.lr_factor(i, 20, 3, schedule) == pytest.approx(sched.get_last_lr()[0], abs=1e-9), i
+        opt.step()
+        sched.step()
+
+
+def test_warmup_counts_optimizer_steps(tmp_path):
+    # 2 minibatches a step, warm-up over 4 optimizer steps: the last lr of step s is lr * (2s + 1) / 4
+    rc, rows, _ = run(tmp_path, "wu", "--steps", "3", "--minibatches", "2", "--warmup-steps", "4",
+                      "--lr", "0.004", "--eval-limit", "4", "--no-dynamic-sampling")
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert rc == 0 and lrs == pytest.approx([0.001, 0.003, 0.004])
+
+
+# ----------------------------------------------------------------------------- evaluation rows
+def gsm8k_file(tmp_path, n):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def test_eval_rows_are_never_training_rows(tmp_path):
+    cfg = Config(task="gsm8k_train", data=gsm8k_file(tmp_path, 40), eval_limit=8)
+    rows, eval_rows = train.load_data(cfg)
+    assert len(eval_rows) == 8 and len(rows) == 32
+    assert not {r["index"] for r in rows} & {r["index"] for r in eval_rows}
+    with pytest.raises(Stop, match="fewer than 2 x --eval-limit"):
+        train.load_data(Config(task="gsm8k_train", data=gsm8k_file(tmp_path, 12), eval_limit=8))
+
+
+def test_skipped_rows_are_counted(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    good = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + [{"question": "q", "answer": "no gold"}]))
+    train.load_data(Config(task="gsm8k_train", data=str(path), eval_limit=4))
+    assert "20 usable rows of 21 read" in capsys.readouterr().out
+

@@ -1,0 +1,194 @@
+"""train_config.py: train.py's one flat config, its command line, and the checks that run before anything is written.
+
+    python train.py --help                        # every flag, with its default and what it does
+
+Config holds every knob of a run; `python train.py` prints it as one JSON line at start, and it is saved in the
+run folder and in every checkpoint. The RL knobs whose default is None take it from the --algo preset
+(grpo.PRESETS), or from the model's defaults (train.py's SMALL_DEFAULTS). Resuming keeps the saved config and lets
+only RESUMABLE flags change; any other flag given with --resume is refused by name, never silently ignored.
+check_config turns every bad flag into one line (Stop) before a model is loaded or a folder is made.
+Leaves out: config files (the flags and the saved config.json are the whole story).
+"""
+import argparse
+import dataclasses
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import data
+import grpo
+import noise
+import rollout
+
+
+def opt(default, help, **kw):
+    return field(default=default, metadata=dict(help=help, **kw))
+
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class Config:
+    """Every flag of train.py (see --help); None = the preset's or the model's default."""
+    algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (grpo.PRESETS); the flags below override it")
+    model: str = opt("tiny", "HF folder or hub id; 'tiny' = the built-in warm-started tiny Qwen2")
+    base: str = opt("nvfp4", "base precision: nvfp4 (a bf16 checkpoint is quantized while loading) "
+                             "or bf16")
+    task: str = opt("synthetic", f"training data: {', '.join(data.TASKS)}")
+    data: str = opt(None, "JSONL path (or hub name) with the rows of --task; needs --task")
+    fmt: str = opt("boxed", "answer format: boxed or think")
+    steps: int = opt(None, "RL steps (default 500; 40 for the tiny model)")
+    prompts_per_step: int = opt(8, "prompt groups per RL step")
+    group_size: int = opt(8, "G, completions per prompt")
+    max_new_tokens: int = opt(8, "completion length limit")
+    temperature: float = opt(1.0, "sampling temperature (the trainer's log-probs use the same)")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 keeps engine and trainer log-probs identical)")
+    lr: float = opt(None, "peak AdamW learning rate of the LoRA weights (default 1e-5, QeRL's NVFP4 "
+                          "choice; 5e-3 tiny)")
+    lr_schedule: str = opt("constant", "learning rate after warm-up: constant, linear or cosine (to 0 at "
+                                       "the last optimizer step)")
+    warmup_steps: int = opt(0, "linear warm-up, in OPTIMIZER steps (epochs x minibatches per RL step). "
+                               "The schedule follows the RL step: a step that dynamic sampling leaves "
+                               "without a batch makes no update but still moves the schedule on")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    max_grad_norm: float = opt(1.0, "gradient clipping")
+    lora_rank: int = opt(None, "LoRA rank (default 32; 8 for the tiny model)")
+    lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default 64; 16 tiny)")
+    epochs: int = opt(1, "passes over each rollout batch")
+    minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
+    micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a minibatch)")
+    std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not (Dr.GRPO)")
+    eps_low: float = opt(None, "PPO clip below 1")
+    eps_high: float = opt(None, "PPO clip above 1 (DAPO clip-higher: 0.28)")
+    agg: str = opt(None, f"loss aggregation: {', '.join(grpo.AGGREGATIONS)}")
+    beta: float = opt(None, "k3 KL to the base policy (LoRA disabled); 0 = off")
+    tis_cap: float = opt(None, f"TIS cap C on the weight pi_trainer / pi_engine (default "
+                               f"{grpo.TIS_CAP}, every engine); 0 = no correction")
+    dynamic_sampling: bool = opt(None, "DAPO: drop groups whose answers are all right or all wrong, "
+                                       "roll out more prompts")
+    max_sample_rounds: int = opt(None, "bound on rollout rounds per step with dynamic sampling")
+    overlong_cache_frac: float = opt(None, "DAPO overlong penalty window, a fraction of "
+                                           "max_new_tokens; 0 = off")
+    overlong_factor: float = opt(None, "overlong penalty at the length limit")
+    mask_truncated: bool = opt(None, "zero the loss of samples cut at the length limit")
+    format_weight: float = opt(None, "reward weight of a well-formed answer (default 0; 0.2 for the "
+                                     "tiny model)")
+    accuracy_weight: float = opt(1.0, "reward weight of a correct answer")
+    aqn: bool = opt(True, "adaptive quantization noise in the norms")
+    sigma_start: float = opt(1e-2, "AQN sigma of the first noisy stage")
+    sigma_end: float = opt(5e-4, "AQN sigma of the last stage")
+    aqn_stages: int = opt(10, "AQN stages (see noise.py; the first one has no noise)")
+    aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training too)")
+    engine: str = opt("builtin", "rollout backend: builtin or vllm")
+    grad_checkpoint: bool = opt(True, "recompute each layer in backward (less memory)")
+    eval_task: str = opt(None, "task evaluated every --eval-every steps (default: held-out rows of "
+                               "the training task, never rows it trains on)")
+    eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
+    eval_limit: int = opt(64, "prompts per evaluation")
+    save_every: int = opt(20, "checkpoint every N steps (and at the end)")
+    out: str = opt(None, "run folder (default runs/<algo>-<time>)")
+    seed: int = opt(0, "seed of everything")
+    tensorboard: bool = opt(False, "also log to tensorboard (needs the tensorboard package)")
+    wandb: bool = opt(False, "also log to Weights & Biases (needs wandb)")
+    device: str = opt(None, "cuda or cpu (default: cuda when present)")
+
+
+# Flags that may change when a run is resumed; any other flag given with --resume is refused.
+RESUMABLE = ("steps", "eval_every", "save_every", "tensorboard", "wandb", "device")
+FLAG_TYPES = {"steps": int, "lr": float, "beta": float, "eps_low": float, "eps_high": float,
+              "tis_cap": float, "max_sample_rounds": int, "overlong_cache_frac": float,
+              "overlong_factor": float, "lora_rank": int, "lora_alpha": float, "format_weight": float}
+
+
+class Stop(Exception):
+    """Bad input or an unusable run: train.py prints the message as one line and exits with `code`."""
+
+    def __init__(self, msg: str, code: int = 2):
+        super().__init__(msg)
+        self.code = code
+
+
+def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    """The CLI. suppress=True leaves unset flags out of the result (to see which ones were given)."""
+    ap = argparse.ArgumentParser(description="RL (GRPO / DAPO / Dr.GRPO) on an NVFP4 base with LoRA "
+                                             "and AQN.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 argument_default=argparse.SUPPRESS if suppress else None)
+    for f in dataclasses.fields(Config):
+        name = "--" + f.name.replace("_", "-")
+        default = argparse.SUPPRESS if suppress else f.default
+        if isinstance(f.default, bool) or f.name in ("std_normalize", "dynamic_sampling",
+                                                    "mask_truncated"):
+            ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
+                            help=f.metadata["help"])
+        else:
+            kind = FLAG_TYPES.get(f.name, type(f.default) if f.default is not None else str)
+            ap.add_argument(name, type=kind, default=default, help=f.metadata["help"])
+    ap.add_argument("--resume", help="continue the run in this folder from its last checkpoint; "
+                                     f"only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} "
+                                     "may change")
+    ap.add_argument("--plot", help="only redraw RUN/curves.png from RUN/metrics.jsonl")
+    return ap
+
+
+def parse_args(argv=None) -> tuple[Config, argparse.Namespace, set]:
+    args = build_parser().parse_args(argv)
+    given = set(vars(build_parser(suppress=True).parse_args(argv)))  # the flags on the command line
+    cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+    return cfg, args, given - {"resume", "plot"}
+
+
+
+
+def resolve_config(cfg: Config, args, given: set) -> tuple[Config, Path | None]:
+    """The run's config: a new one from the flags, or a resumed run's with the flags that may change."""
+    if not args.resume:
+        return cfg, None
+    run = Path(args.resume)
+    if not (run / "config.json").exists():
+        raise Stop(f"{run} is not a run folder (no config.json): pass the folder train.py printed")
+    saved = Config(**json.loads((run / "config.json").read_text()))
+    fixed = sorted(given - set(RESUMABLE))
+    if fixed:
+        names = ", ".join("--" + k.replace("_", "-") for k in fixed)
+        raise Stop(f"{names} cannot change when resuming {run} (they shape the replayed steps); "
+                   f"only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} may")
+    return dataclasses.replace(saved, **{k: getattr(cfg, k) for k in given}), run
+
+
+def check_config(cfg: Config) -> dict:
+    """Validate every flag (one-line errors); returns the preset with the flags applied."""
+    p = grpo.apply_preset(cfg.algo, dataclasses.asdict(cfg))
+    choices = (("task", cfg.task, data.TASKS), ("fmt", cfg.fmt, data.FORMATS),
+               ("base", cfg.base, ("nvfp4", "bf16")), ("aqn_where", cfg.aqn_where, noise.WHERE),
+               ("engine", cfg.engine, ("builtin", "vllm")), ("agg", p["agg"], grpo.AGGREGATIONS),
+               ("lr_schedule", cfg.lr_schedule, SCHEDULES))
+    for name, val, allowed in choices:
+        if val not in allowed:
+            raise Stop(f"--{name.replace('_', '-')} {val!r} is not one of: {', '.join(allowed)}")
+    if cfg.prompts_per_step < 1 or cfg.group_size < 2:
+        raise Stop("need --prompts-per-step >= 1 and --group-size >= 2 (advantages compare the "
+                   "samples of a group)")
+    for name in ("steps", "save_every", "eval_limit", "max_new_tokens", "epochs", "minibatches",
+                 "micro_batch"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
+            raise Stop(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.eval_every < 0 or cfg.warmup_steps < 0:
+        raise Stop("--eval-every and --warmup-steps must be >= 0")
+    if cfg.data is not None and data.is_generated(cfg.task):
+        raise Stop(f"--data {cfg.data}: task {cfg.task} is generated and reads no file; say what the "
+                   "rows are with --task (e.g. gsm8k_train for GSM8K-style rows, math12k for MATH-style)")
+    if cfg.device not in (None, "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise Stop(f"--device {cfg.device!r}: use cpu or cuda (cuda:N for one GPU of several)")
+    if (cfg.device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise Stop(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use; "
+                   "leave --device out (or --device cpu)")
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise Stop(rollout.VLLM_MISSING)
+    return p
+
+
