@@ -78,9 +78,9 @@ def test_common_mistakes_are_one_line(tmp_path, broken_models, case):
 def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path):
     out = tmp_path / "run"
     full = dict(os.environ, HF_HUB_OFFLINE="1")
-    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--out", str(out), "--steps", "500",
-                          "--save-every", "1"] + FAST, cwd=tmp_path, env=full, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    args = ["--out", str(out)] + FAST + ["--steps", "500", "--save-every", "1"]
+    p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=full,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
     while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)
