@@ -87,21 +87,28 @@ def test_competition_golds(rows):
 GSM8K_RESPONSES = [
     ("She makes 9 * 2 = $18 every day.\nThe answer is \\boxed{18}.", "18"),
     ("In total he earns \\boxed{\\$1,080}", "1080"),
-    ("So the total cost was $1,450,000.", "1450000"),                 # no box: last number, commas, $
-    ("The average temperature was -7 degrees Fahrenheit.", "-7"),     # negative
+    ("So the total cost was \\boxed{\\$1,450,000}.", "1450000"),        # commas, $
+    ("The average temperature was \\boxed{-7 \\text{ degrees}}", "-7"),  # negative, unit word
     ("It was 2 - 5 = -3 degrees, so \\boxed{-3}", "-3"),
-    ("10 - 3 = 7, so the answer is 7 dollars", "7"),                  # units
-    ("After the sale she has 12-7", "7"),                             # a minus after a digit subtracts
-    ("The answer is 18.00", "18"),                                    # trailing .00
+    ("10 - 3 = 7, so the answer is \\boxed{7 dollars}", "7"),           # units
+    ("\\boxed{18.00}", "18"),                                          # trailing .00
     ("\\boxed{+18.0}", "18"),                                         # leading +, trailing .0
     ("\\boxed{2.50}", "2.5"),
     ("\\boxed{18 \\text{ dollars}}", "18"),
     ("\\boxed{1{,}080}", "1080"),                                     # LaTeX thousands separator
     ("The answer is \\boxed 5", "5"),                                 # \boxed without braces
     ("First \\boxed{12}, but that was wrong; finally \\boxed{18}.", "18"),   # several boxed: the LAST wins
-    ("Answer: \\boxed{12} ... recheck: \\boxed{1", "12"),             # truncated last box is ignored
+    ("I put it in \\boxed{}: \\boxed{18}", "18"),                     # an empty box is no answer, skipped
     ("I am not sure how to solve this.", None),                      # no answer at all
     ("\\boxed{C}", None),                                             # a box without a number
+    # Fail-closed: without a closed last box there is no answer, whatever numbers the text holds. Each of these
+    # scored before (the last number anywhere, or an earlier box).
+    ("So the total cost was $1,450,000.", None),
+    ("The average temperature was -7 degrees Fahrenheit.", None),
+    ("10 - 3 = 7, so the answer is 7 dollars", None),
+    ("The answer is 18.00", None),
+    ("Answer: \\boxed{12} ... recheck: \\boxed{1", None),             # the last box is cut off
+    ("The answer is \\boxed", None),
 ]
 
 
@@ -127,6 +134,101 @@ def test_gsm8k_scoring_and_fail_closed():
     assert s["reward"] == 0.0 and s["parse_failed"]
 
 
+# Issue 40's cases: (response, right gold, gold of what it scored before): right with the first, wrong with the second.
+ISSUE_CASES = [
+    ("\\boxed{16}", "16", None),
+    ("\\boxed{\\frac{1}{2}}", "0.5", "2"),        # was 2: the last number of the box
+    ("\\boxed{-\\$5}", "-5", "5"),                # was 5: \$ hid the sign
+    ("\\boxed{.5}", "0.5", None),                 # was a parse failure
+    ("\\boxed{1e3}", "1000", "1"),
+    ("\\boxed{10^3}", "1000", "3"),
+    ("\\boxed{2\\times10^3}", "2000", "3"),
+]
+
+
+@pytest.mark.parametrize("response,gold,old", ISSUE_CASES)
+def test_gsm8k_box_contents_from_the_issue(response, gold, old):
+    s = data.score(response, gold, "gsm8k")
+    assert s["correct"] and not s["parse_failed"] and s["pred"] == gold and s["reward"] == 1.0
+    if old is not None:
+        s = data.score(response, old, "gsm8k")
+        assert not s["correct"] and not s["parse_failed"] and s["reward"] == 0.0
+
+
+@pytest.mark.parametrize("response,gold,fmt_ok", [
+    ("Janet's ducks lay 16 eggs per day.", "16", False),   # echoes the question (GSM8K test row 0): was correct
+    ("\\boxed{7", "7", False),                            # truncated, no closing brace: was correct
+    ("\\boxed{10:30}", "30", True),                       # a time is not a number: was 30
+])
+def test_gsm8k_no_answer_scores_zero_as_parse_failure(response, gold, fmt_ok):
+    s = data.score(response, gold, "gsm8k", format_weight=0.5)
+    assert s == {"reward": 0.5 * fmt_ok, "correct": False, "format_ok": fmt_ok, "parse_failed": True, "pred": None}
+
+
+# Box contents: a number, possibly with unit words or as an expression of one value, else not a number (None).
+BOX_CONTENTS = [
+    ("16 eggs per day", "16"),
+    ("\\text{16 eggs}", "16"),
+    ("25\\%", "25"),
+    ("90^\\circ", "90"),
+    ("\\$1,080.00", "1080"),
+    ("\\$-5", "-5"),
+    ("\\frac{3}{4}", "0.75"),
+    ("\\dfrac{1}{2} \\text{ cup}", "0.5"),        # a unit after an expression
+    ("12 - 7", "5"),
+    ("1.5 \\times 10^{2}", "150"),
+    ("\\frac{1}{3}", "1/3"),                      # exact, never rounded
+    ("5 and 7", None),                             # two different numbers
+    ("5, 7", None),
+    ("16 or 18", None),
+    ("1,08", None),                                # not a thousands separator: a list
+    ("x = 18", None),                              # a variable
+    ("The answer is 18.", None),                   # words before the number
+    ("3:1", None),                                 # a ratio
+    ("2\\pi", None),                               # irrational
+    ("10^{10^{10}}", None),                        # too large to be a GSM8K answer (and to expand)
+    ("1e999", None),
+]
+
+
+@pytest.mark.parametrize("content,expected", BOX_CONTENTS)
+def test_gsm8k_box_contents(content, expected):
+    assert data.extract_answer(f"so \\boxed{{{content}}}", "gsm8k") == expected
+
+
+def test_gsm8k_values_compare_exactly():
+    assert not data.score("\\boxed{\\frac{1}{3}}", "0.33", "gsm8k")["correct"]
+    assert data.score("\\boxed{\\frac{6}{12}}", "0.5", "gsm8k")["correct"]
+    assert data.score("\\boxed{\\frac{6}{2}}", "3", "gsm8k")["pred"] == "3"
+
+
+# fmt "think": the answer is the last closed <answer> block (its last box if it has one); nothing else counts.
+THINK_ANSWERS = [
+    ("<think>9*2=18</think><answer>\\boxed{18}</answer>", "18"),
+    ("<think>9*2=18</think><answer> 18 </answer>", "18"),                # QeRL's bare answer
+    ("<think>\\boxed{18}</think><answer>\\boxed{17}</answer>", "17"),
+    ("<think>so 18</think>\\boxed{18}", None),                          # a box outside any answer block
+    ("<think>so 18</think><answer>\\boxed{18}", None),                  # the block is not closed (truncated)
+    ("<answer>\\boxed{18}</answer> wait: <answer>\\boxed{19}", None),  # the last block is not closed
+    ("<think>x</think><answer>\\boxed{18</answer>", None),              # its box is not closed
+    ("<think>x</think><answer>The answer is 18.</answer>", None),
+    ("<think>x</think><answer> </answer>", None),
+]
+
+
+@pytest.mark.parametrize("response,expected", THINK_ANSWERS)
+def test_think_answers_are_fail_closed(response, expected):
+    assert data.extract_answer(response, "gsm8k", fmt="think") == expected
+
+
+def test_gsm8k_expressions_off_the_main_thread():
+    box = []
+    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{\\frac{1}{2}}", "0.5", "gsm8k")))
+    t.start()
+    t.join(30)
+    assert box and box[0]["correct"] and not box[0]["parse_failed"]
+
+
 # ----------------------------------------------------------------------------- MATH-style extraction and scoring
 
 def test_math_extraction():
@@ -137,6 +239,8 @@ def test_math_extraction():
     assert data.extract_answer("\\fbox{7}", "math") == "7"
     assert data.extract_answer("\\boxed{} then \\boxed{x^{2}}", "math") == "x^{2}"  # empty boxes don't count
     assert data.extract_answer("The answer is 1/2.", "math") is None   # math answers must be boxed
+    assert data.extract_answer("\\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "math") is None   # last box cut off
+    assert data.extract_answer("<think>x</think>\\boxed{\\frac{1}{2}}", "math", fmt="think") is None  # no <answer>
 
 
 def test_math500_solutions_boxed_answer_matches_gold(rows):
@@ -272,6 +376,7 @@ def test_boxed_format():
     assert not data.format_ok("so 1/2", "boxed")
     assert not data.format_ok("so \\boxed{}", "boxed")
     assert not data.format_ok("so \\boxed{\\frac{1}{2}", "boxed")    # unclosed
+    assert not data.format_ok("so \\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "boxed")   # the last one is unclosed
 
 
 def test_think_extraction_prefers_the_answer_block():
@@ -285,8 +390,10 @@ def test_format_and_accuracy_weights_are_separate():
     good = "<think>9*2</think><answer>\\boxed{18}</answer>"
     assert data.score(good, "18", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(1.2)
     assert data.score(good, "17", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(0.2)
-    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, wrong format
+    s = data.score("<answer>\\boxed{18}</answer>", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, no <think>
     assert s["correct"] and not s["format_ok"] and s["reward"] == pytest.approx(1.0)
+    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # no <answer> block: no answer at all
+    assert not s["correct"] and s["parse_failed"] and s["reward"] == 0.0
     assert data.score(good, "18", "gsm8k", "think", 0.0, 0.5)["reward"] == pytest.approx(0.5)
     summary = data.summarize([data.score(good, "18", "gsm8k", "think"), data.score("no", "18", "gsm8k", "think")])
     assert summary == {"n": 2, "reward": 0.5, "accuracy": 0.5, "format_rate": 0.5, "parse_fail_rate": 0.5}
@@ -417,3 +524,4 @@ def test_unknown_kind_and_format():
         data.format_ok("\\boxed{1}", "xml")
     with pytest.raises(ValueError, match="gold kind"):
         data.parse_gold("1", "code")
+
