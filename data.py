@@ -21,6 +21,8 @@ What it does
     (fractions, LaTeX, intervals) with a timeout. An unparsable gold or response gets no accuracy reward, and
     score() says so in "parse_failed" so that callers can count it. Format and accuracy rewards are separate,
     each with its own weight.
+  - stop_token_ids(): the token ids that end a reply, from the model folder's generation_config.json and the
+    tokenizer (eos and the chat template's end-of-turn token), so that generation stops on any chat model.
 
 Run it
   python data.py --task gsm8k --limit 3                  # show rows and stats
@@ -236,6 +238,58 @@ def prompt_token_ids(tokenizer, question: str, fmt: str = "boxed") -> list[int]:
     """Token ids of build_prompt(); the template already holds the special tokens, so none are added."""
     return list(tokenizer(build_prompt(tokenizer, question, fmt), add_special_tokens=False)["input_ids"])
 
+
+# End-of-turn tokens of known chat templates (ChatML/Qwen, Llama 3, Gemma, Phi-3, Command R). A tokenizer's eos is
+# often the end of a whole document instead (Llama 3's <|end_of_text|>), which a chat model never emits mid-chat.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>")
+
+
+def _generation_eos(model_dir) -> list[int]:
+    """eos_token_id of the model's generation config (an int or a list), [] when there is none.
+
+    A local folder: its generation_config.json, read as is. Anything else (a hub id): transformers'
+    GenerationConfig.from_pretrained, and [] when that fails (offline, or no such file in the repo)."""
+    if os.path.isdir(model_dir):
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    else:
+        from transformers import GenerationConfig
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:  # what from_pretrained raises offline and for a missing file: the tokenizer decides alone
+            return []
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+        raise ValueError(f"{model_dir}: generation config eos_token_id must be a token id or a list of them, got "
+                         f"{eos!r}; fix generation_config.json")
+    return eos
+
+
+def stop_token_ids(tokenizer, model_dir=None) -> list[int]:
+    """Token ids that end a reply: the generation config's eos_token_id (model_dir: a folder or a hub id; None:
+    not read), then tokenizer.eos_token_id, then the chat template's end-of-turn token when it is one of
+    END_OF_TURN and a token of this vocabulary. Deduplicated, in that order. Raises ValueError when empty:
+    sampling would then run every response to the length limit."""
+    ids = _generation_eos(str(model_dir)) if model_dir else []
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        ids.append(tokenizer.eos_token_id)
+    template = getattr(tokenizer, "chat_template", None)
+    template = "\n".join(template.values()) if isinstance(template, dict) else template or ""  # named templates
+    for tok in END_OF_TURN:
+        tid = tokenizer.convert_tokens_to_ids(tok) if tok in template else None
+        # round trip: an unknown token maps to the unk id (or None), which does not map back to `tok`
+        if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == tok:
+            ids.append(tid)
+    ids = list(dict.fromkeys(ids))
+    if not ids:
+        where = f"{model_dir} has no generation_config.json eos_token_id, " if model_dir else ""
+        raise ValueError(f"no stop token: {where}the tokenizer has no eos_token, and its chat template ends turns "
+                         f"with none of {', '.join(END_OF_TURN)}; set the tokenizer's eos_token (tokenizer_config.json) "
+                         "or eos_token_id in the model's generation_config.json to the token that ends a reply")
+    return ids
 
 
 # ----------------------------------------------------------------------------- answer extraction

@@ -525,3 +525,77 @@ def test_unknown_kind_and_format():
     with pytest.raises(ValueError, match="gold kind"):
         data.parse_gold("1", "code")
 
+
+# ----------------------------------------------------------------------------- stop tokens
+
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                   "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                   "\n\n{% endif %}")
+WORDS = ["[UNK]", "What", "is", "2", "+", "3", "?", "system", "user", "assistant"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+END_OF_TEXT, EOT = len(WORDS) + 1, len(WORDS) + 4   # ids of the special tokens, added after the words
+
+
+def llama3_style_tokenizer(folder: Path, eos_token="<|end_of_text|>", template=LLAMA3_TEMPLATE):
+    """A tiny tokenizer laid out like Llama 3's: eos <|end_of_text|>, turns end with <|eot_id|>, no <|im_end|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.add_special_tokens(LLAMA3_SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<|begin_of_text|>",
+                                   eos_token=eos_token)
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def test_stop_tokens_of_a_llama3_style_tokenizer(tmp_path):
+    tok = llama3_style_tokenizer(tmp_path)
+    assert tok.convert_tokens_to_ids("<|eot_id|>") == EOT and tok.eos_token_id == END_OF_TEXT
+    assert tok.convert_tokens_to_ids("<|im_end|>") in (None, tok.unk_token_id)   # what the old code looked for
+    assert data.stop_token_ids(tok) == [END_OF_TEXT, EOT]
+    assert data.stop_token_ids(tok, tmp_path) == [END_OF_TEXT, EOT]   # a folder without generation_config.json
+    assert data.build_prompt(tok, "What is 2 + 3 ?").endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize("eos,expected", [
+    ([EOT, END_OF_TEXT, 7], [EOT, END_OF_TEXT, 7]),   # a list, as Llama 3.1's generation_config.json has
+    (EOT, [EOT, END_OF_TEXT]),                         # an int
+    (None, [END_OF_TEXT, EOT]),
+])
+def test_stop_tokens_from_generation_config(tmp_path, eos, expected):
+    tok = llama3_style_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "temperature": 0.6}))
+    assert data.stop_token_ids(tok, tmp_path) == expected
+
+
+def test_stop_tokens_of_the_bundled_qwen_tokenizer(tokenizer):
+    # tests/assets/qwen2.5-tokenizer/generation_config.json lists [151645, 151643]: <|im_end|>, <|endoftext|>
+    assert data.stop_token_ids(tokenizer, TOKENIZER_DIR) == [151645, 151643]
+    assert data.stop_token_ids(tokenizer) == [151645]   # eos is <|im_end|>, also the template's end of turn
+
+
+def test_stop_tokens_for_a_hub_id(tokenizer, monkeypatch):
+    import transformers
+    asked = []
+
+    def offline(name, *a, **k):
+        asked.append(name)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained", offline)
+    assert data.stop_token_ids(tokenizer, "Qwen/Qwen2.5-7B-Instruct") == [151645]   # the tokenizer alone
+    assert asked == ["Qwen/Qwen2.5-7B-Instruct"]
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained",
+                        lambda name, *a, **k: transformers.GenerationConfig(eos_token_id=[151643, 151645]))
+    assert data.stop_token_ids(tokenizer, "Qwen/Qwen2.5-7B-Instruct") == [151643, 151645]
+
+
+def test_no_stop_token_is_an_error(tmp_path):
+    tok = llama3_style_tokenizer(tmp_path, eos_token=None, template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert tok.eos_token_id is None
+    with pytest.raises(ValueError, match="no stop token.*eos_token"):
+        data.stop_token_ids(tok, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|eot_id|>"]}))
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        data.stop_token_ids(tok, tmp_path)
