@@ -287,8 +287,9 @@ def stop_token_ids(tokenizer, model_dir=None) -> list[int]:
     if not ids:
         where = f"{model_dir} has no generation_config.json eos_token_id, " if model_dir else ""
         raise ValueError(f"no stop token: {where}the tokenizer has no eos_token, and its chat template ends turns "
-                         f"with none of {', '.join(END_OF_TURN)}; set the tokenizer's eos_token (tokenizer_config.json) "
-                         "or eos_token_id in the model's generation_config.json to the token that ends a reply")
+                         f"with none of {', '.join(END_OF_TURN)}; set the tokenizer's eos_token "
+                         "(tokenizer_config.json) or eos_token_id in the model's generation_config.json to the token "
+                         "that ends a reply")
     return ids
 
 

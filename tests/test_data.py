@@ -592,7 +592,8 @@ def test_stop_tokens_for_a_hub_id(tokenizer, monkeypatch):
 
 
 def test_no_stop_token_is_an_error(tmp_path):
-    tok = llama3_style_tokenizer(tmp_path, eos_token=None, template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"   # no end-of-turn token
+    tok = llama3_style_tokenizer(tmp_path, eos_token=None, template=plain)
     assert tok.eos_token_id is None
     with pytest.raises(ValueError, match="no stop token.*eos_token"):
         data.stop_token_ids(tok, tmp_path)

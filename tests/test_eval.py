@@ -78,7 +78,8 @@ class RecordingEngine:
 
     def generate(self, prompts, n=1, stop_token_ids=None, **kw):
         self.stops.append(stop_token_ids)
-        return [rollout.Sample(i, list(stop_token_ids[:1]), [0.0], "stop") for i in range(len(prompts)) for _ in range(n)]
+        end = list(stop_token_ids[:1])
+        return [rollout.Sample(i, end, [0.0], "stop") for i in range(len(prompts)) for _ in range(n)]
 
 
 def llama3_chat_folder(make_checkpoint, folder, **tokenizer_kw):
@@ -105,6 +106,7 @@ def test_eval_stops_on_the_models_own_tokens(make_checkpoint, tmp_path, monkeypa
     assert E.main(args) == 0
     assert engine.stops == [[EOT, 3, END_OF_TEXT]]
     capsys.readouterr()
-    bare = llama3_chat_folder(make_checkpoint, tmp_path / "bare", eos_token=None, template="{{ messages[0]['content'] }}")
+    bare = llama3_chat_folder(make_checkpoint, tmp_path / "bare", eos_token=None,
+                              template="{{ messages[0]['content'] }}")
     assert E.main(["--model", str(bare), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev2")]) == 2
     assert "error: no stop token" in capsys.readouterr().err
