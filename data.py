@@ -6,11 +6,23 @@ What it does
     ("owner/name" or "owner/name:config", needs the `datasets` package and network access).
   - Builds prompts with the tokenizer's chat template: a system prompt asking for the final answer in
     \\boxed{} (fmt "boxed"), or QeRL's <think>...</think><answer>...</answer> format (fmt "think").
-  - Extracts answers and scores them. GSM8K-style ("gsm8k" kind): numbers, normalised (commas, $, units,
-    trailing .0, leading +). MATH-style ("math" kind): equivalence by math-verify (fractions, LaTeX, intervals)
-    with a timeout. Rewards are fail-closed: an unparsable gold or response gets no accuracy reward, and
+  - Extracts answers and scores them, fail-closed: only a complete, closed answer in the asked-for form earns
+    accuracy credit. fmt "boxed": the content of the LAST \\boxed{...}; a response without one, or whose last box
+    is cut off ("\\boxed{7"), has no answer, however many numbers its prose holds ("Janet's ducks lay 16 eggs per
+    day." echoes the question and earns nothing). fmt "think": the last <answer>...</answer> block, closed; with a
+    \\boxed{} inside (as the prompt asks) its last box, else the block's whole text; nothing outside the block
+    counts, boxes in <think> included.
+  - GSM8K-style ("gsm8k" kind): the answer must BE a number. A plain one is read directly (commas, $, a leading +,
+    trailing .0, .5, 1e3), also with unit words after it ("18 dollars", "16 eggs per day", "25%": GSM8K models
+    often add them, and the number is unambiguous). Anything else is parsed by math-verify and counts only when
+    it is one real number (\\frac{1}{2} = 0.5, 10^3, 2\\times10^3 = 2000, 12-7 = 5). Not numbers: words before
+    or between numbers ("The answer is 18", "5 and 7"), variables ("x = 18"), times and ratios ("10:30"), lists,
+    irrationals; they score 0 as parse failures. MATH-style ("math" kind): equivalence by math-verify
+    (fractions, LaTeX, intervals) with a timeout. An unparsable gold or response gets no accuracy reward, and
     score() says so in "parse_failed" so that callers can count it. Format and accuracy rewards are separate,
     each with its own weight.
+  - stop_token_ids(): the token ids that end a reply, from the model folder's generation_config.json and the
+    tokenizer (eos and the chat template's end-of-turn token), so that generation stops on any chat model.
 
 Run it
   python data.py --task gsm8k --limit 3                  # show rows and stats
@@ -19,8 +31,8 @@ Run it
 
 Left out
   - Multiple-choice letter matching beyond what math-verify does, code tasks, LLM judges.
-  - Language-specific answer phrases ("the answer is ...") for the math kind: a math answer must be in
-    \\boxed{} (or in <answer> with fmt "think"); otherwise the response scores 0 as a parse failure.
+  - Language-specific answer phrases ("the answer is ..."): an answer must be in \\boxed{} (or in <answer> with
+    fmt "think"); otherwise the response scores 0 as a parse failure, whatever its kind.
   - A hard timeout off the main thread: math-verify's timeout uses signals, so there the check is abandoned
     after timeout_s but its thread may run on; see math_equal().
 """
@@ -34,11 +46,12 @@ import os
 import random
 import re
 import threading
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, localcontext
+from fractions import Fraction
 
 try:
     import math_verify
-    from sympy import Basic
+    from sympy import Basic, Float, Rational
     from sympy.matrices import MatrixBase
 except ImportError:  # scoring falls back to normalised string equality
     math_verify = None
@@ -226,29 +239,118 @@ def prompt_token_ids(tokenizer, question: str, fmt: str = "boxed") -> list[int]:
     return list(tokenizer(build_prompt(tokenizer, question, fmt), add_special_tokens=False)["input_ids"])
 
 
+# End-of-turn tokens of known chat templates (ChatML/Qwen, Llama 3, Gemma, Phi-3, Command R). A tokenizer's eos is
+# often the end of a whole document instead (Llama 3's <|end_of_text|>), which a chat model never emits mid-chat.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|END_OF_TURN_TOKEN|>")
+
+
+def _generation_eos(model_dir) -> list[int]:
+    """eos_token_id of the model's generation config (an int or a list), [] when there is none.
+
+    A local folder: its generation_config.json, read as is. Anything else (a hub id): transformers'
+    GenerationConfig.from_pretrained, and [] when that fails (offline, or no such file in the repo)."""
+    if os.path.isdir(model_dir):
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+    else:
+        from transformers import GenerationConfig
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:  # what from_pretrained raises offline and for a missing file: the tokenizer decides alone
+            return []
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+        raise ValueError(f"{model_dir}: generation config eos_token_id must be a token id or a list of them, got "
+                         f"{eos!r}; fix generation_config.json")
+    return eos
+
+
+def stop_token_ids(tokenizer, model_dir=None) -> list[int]:
+    """Token ids that end a reply: the generation config's eos_token_id (model_dir: a folder or a hub id; None:
+    not read), then tokenizer.eos_token_id, then the chat template's end-of-turn token when it is one of
+    END_OF_TURN and a token of this vocabulary. Deduplicated, in that order. Raises ValueError when empty:
+    sampling would then run every response to the length limit."""
+    ids = _generation_eos(str(model_dir)) if model_dir else []
+    if isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        ids.append(tokenizer.eos_token_id)
+    template = getattr(tokenizer, "chat_template", None)
+    template = "\n".join(template.values()) if isinstance(template, dict) else template or ""  # named templates
+    for tok in END_OF_TURN:
+        tid = tokenizer.convert_tokens_to_ids(tok) if tok in template else None
+        # round trip: an unknown token maps to the unk id (or None), which does not map back to `tok`
+        if isinstance(tid, int) and tokenizer.convert_ids_to_tokens(tid) == tok:
+            ids.append(tid)
+    ids = list(dict.fromkeys(ids))
+    if not ids:
+        where = f"{model_dir} has no generation_config.json eos_token_id, " if model_dir else ""
+        raise ValueError(f"no stop token: {where}the tokenizer has no eos_token, and its chat template ends turns "
+                         f"with none of {', '.join(END_OF_TURN)}; set the tokenizer's eos_token "
+                         "(tokenizer_config.json) or eos_token_id in the model's generation_config.json to the token "
+                         "that ends a reply")
+    return ids
+
+
 # ----------------------------------------------------------------------------- answer extraction
 
-_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _THINK_FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+_BOX = re.compile(r"\\(?:boxed|fbox)")
+# A plain number: 1,080 / 18 / 18.50 / .5 / 1e3 (exponents of at most 2 digits: a huge 1e999999 is no GSM8K answer
+# and would be expanded digit by digit), then optional unit words: "dollars", "eggs per day", "%", "cm/s", "°".
+_NUM = r"[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d*)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,2})?"
+_UNIT = r"[A-Za-z%°][A-Za-z%°'./\s]*"
+_PLAIN = re.compile(rf"({_NUM})\s*(?:{_UNIT})?")
+_WRAPPER = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
 
 
-def _boxed_contents(text: str) -> list[str]:
-    """Contents of every complete, non-empty \\boxed{...} / \\fbox{...} (and `\\boxed 5`), in order."""
+def _boxes(text: str) -> list[str | None]:
+    """Every \\boxed{...} / \\fbox{...} (and `\\boxed 5`) in order: its stripped content, or None when the box is
+    not closed (a response cut off inside it). Nested braces work (\\boxed{\\frac{1}{2}})."""
     out = []
-    for m in re.finditer(r"\\(?:boxed|fbox)", text):
+    for m in _BOX.finditer(text):
         j = m.end()
-        if j < len(text) and text[j] == "{":
-            depth = 0
+        if j == len(text):  # the response ends right after \boxed
+            out.append(None)
+        elif text[j] == "{":
+            depth, content = 0, None
             for k in range(j, len(text)):
                 depth += {"{": 1, "}": -1}.get(text[k], 0)
                 if depth == 0:
-                    out.append(text[j + 1:k].strip())
-                    break  # an unclosed brace (a truncated response) yields nothing
-        elif j < len(text) and text[j] == " ":
+                    content = text[j + 1:k].strip()
+                    break
+            out.append(content)
+        elif text[j] == " ":
             bare = re.match(r" +([^\s$]+)", text[j:])
-            out.append(bare.group(1).rstrip(".,") if bare else "")
-    return [c for c in out if c]
+            out.append(bare.group(1).rstrip(".,") if bare else None)
+    return out
+
+
+def _final_box(text: str) -> str | None:
+    """The content of the LAST box, or None when there is none or it is not closed. An earlier closed box does
+    not stand in for a truncated last one: it was an intermediate result the response went on to revise.
+    Empty boxes are skipped (a response that repeats 'put the answer in \\boxed{}' has answered nothing yet)."""
+    boxes = [b for b in _boxes(text) if b != ""]
+    return boxes[-1] if boxes else None
+
+
+def _answer_text(response: str, fmt: str) -> str | None:
+    """The text holding the final answer, or None when the response gives none in the asked-for form.
+
+    fmt "boxed": the content of the last closed \\boxed{}. fmt "think": the last <answer> block, which must be
+    closed by </answer>; with a box inside, that box's content (as above), else the block's whole text (QeRL's
+    plain '<answer> 18 </answer>'). Anything outside the answer block, boxes in <think> included, is never read."""
+    if fmt == "boxed":
+        return _final_box(response)
+    if fmt != "think":
+        raise ValueError(f"unknown prompt format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    m = _ANSWER_BLOCK.match(response, response.rfind("<answer>")) if "<answer>" in response else None
+    if m is None:  # no <answer>, or the last one is not closed (truncated)
+        return None
+    block = m.group(1)
+    return _final_box(block) if _BOX.search(block) else (block.strip() or None)
 
 
 def normalize_number(text: str) -> str | None:
@@ -263,35 +365,79 @@ def normalize_number(text: str) -> str | None:
     return str(int(d)) if d == d.to_integral_value() else format(d.normalize(), "f")
 
 
-def _last_number(text: str) -> str | None:
-    text = re.sub(r"\{,\}|,\\!|\\!", lambda m: "," if "," in m.group() else "", text)  # LaTeX 1{,}000, 1,\!000
-    found = _NUMBER.findall(text.replace("\\$", "$"))
-    return normalize_number(found[-1]) if found else None
+def _fraction_text(f: Fraction) -> str:
+    """'0.5' for 1/2, '2000' for 2000/1: a finite decimal when there is one (denominator 2^a 5^b), else '1/3'."""
+    q = f.denominator
+    for p in (2, 5):
+        while q % p == 0:
+            q //= p
+    if q != 1:
+        return f"{f.numerator}/{f.denominator}"
+    with localcontext() as ctx:
+        ctx.prec = 80  # 2^a 5^b denominators give exact quotients of at most a few dozen digits here
+        return normalize_number(str(Decimal(f.numerator) / Decimal(f.denominator)))
 
 
-def extract_answer(response: str, kind: str, fmt: str = "boxed") -> str | None:
-    """The final answer in a response, or None when there is none.
+def _clean_box(s: str) -> str:
+    """A box's content with the LaTeX that only dresses a number removed: \\text{} wrappers (their words kept),
+    currency signs, \\% and ^\\circ, LaTeX thousands separators (1{,}080, 1,\\!080) and LaTeX spaces."""
+    s = _WRAPPER.sub(r" \1 ", s).replace("\\%", "%").replace("\u2212", "-")  # U+2212 is a minus sign
+    s = re.sub(r"\^\s*\{?\\circ\}?", "°", s)
+    s = re.sub(r"\\\$|\$|\\(?:pounds|euro)(?![A-Za-z])|[£€¥]", "", s)
+    s = re.sub(r"(?<=\d)(?:\{,\}|,\\!)(?=\d)", ",", s)
+    return re.sub(r"\\[,;:! ]|~", " ", s).strip()
 
-    Where the answer is looked for: with fmt "think", inside the last <answer>...</answer> block if there is
-    one. With several \\boxed{} the LAST complete, non-empty one wins (models often box an intermediate
-    result before the final one; an unclosed \\boxed{ of a truncated response is ignored). Nested braces work
-    (\\boxed{\\frac{1}{2}}), and so does \\boxed 5.
-    kind "gsm8k": the last number of the boxed content, else the last number of the <answer> block (think),
-    else of the whole response; normalised by normalize_number (commas, $, units, .0, leading +).
-    kind "math": the boxed content as LaTeX (else the whole <answer> block with fmt "think"), else None.
+
+def _mv_number(s: str, timeout: int | None) -> str | None:
+    """s parsed by math-verify, when it is ONE finite real number: its exact value as by _fraction_text.
+    None for sets and lists ('5, 7'), equations, symbols, complex or infinite values, irrationals (2\\pi)."""
+    expr = next((x for x in _mv_parse(s, timeout) if isinstance(x, Basic)), None)
+    if expr is None or not getattr(expr, "is_number", False):  # is_number: no free symbols; False for sets
+        return None
+    approx = expr.evalf(20)  # cheap even for 10^{10^{10}}, which doit() would expand digit by digit
+    if approx.is_real is not True or approx.is_finite is not True or abs(approx) > 1e30:
+        return None
+    value = expr.doit()  # math-verify keeps 2\times10^3 unevaluated
+    if isinstance(value, Float):
+        return normalize_number(str(value))
+    return _fraction_text(Fraction(int(value.p), int(value.q))) if isinstance(value, Rational) else None
+
+
+def _gsm8k_number(content: str, timeout_s: float = 5.0) -> str | None:
+    """The number a GSM8K-kind answer states, normalised ('1080', '0.5', '-5', or '1/3'), or None.
+
+    A plain number (commas, $, a leading +, trailing .0, .5, 1e3) optionally followed by unit words ('18 dollars',
+    '16 eggs per day', '25%') is read directly. Anything else goes to math-verify (\\frac{1}{2}, 10^3,
+    2\\times10^3, 12-7) and counts only when it is one real number. Never a number: words before or between
+    numbers ('The answer is 18', '5 and 7'), variables ('x = 18'), times or ratios with ':' (10:30), lists (5, 7)."""
+    s = _clean_box(content)
+    m = _PLAIN.fullmatch(s)
+    if m:
+        return normalize_number(m.group(1))
+    expr = re.sub(rf"(?<=[\d}}])\s*{_UNIT}$", "", s)  # a unit after an expression: '\frac{1}{2} cup'
+    letters = re.sub(r"\\[A-Za-z]+", "", expr)  # words left once LaTeX commands are gone: not a number
+    if math_verify is None or ":" in expr or re.search(r"[A-Za-z]", letters) or not re.search(r"\d", expr):
+        return None
+    try:
+        return _limited(lambda t: _mv_number(expr, t), timeout_s)
+    except Exception:  # math-verify itself failed: not a number we can trust
+        return None
+
+
+def extract_answer(response: str, kind: str, fmt: str = "boxed", timeout_s: float = 5.0) -> str | None:
+    """The final answer of a response, or None when there is none (fail-closed: None scores 0 as a parse failure).
+
+    Where: see _answer_text (the last closed \\boxed{}; with fmt "think" the last closed <answer> block, or the
+    last box in it). Text outside that is never searched for an answer: a number in the prose, an unclosed box
+    of a truncated response, a box in <think>, earn nothing.
+    kind "gsm8k": the number in it by _gsm8k_number, else None. kind "math": the text as LaTeX.
     """
     if kind not in ("gsm8k", "math"):
         raise ValueError(f"unknown answer kind {kind!r}; choose 'gsm8k' or 'math'")
-    text = response
-    tagged = _ANSWER_TAG.findall(response) if fmt == "think" else []
-    if tagged:
-        text = tagged[-1]
-    boxed = _boxed_contents(text)
-    if kind == "gsm8k":
-        return _last_number(boxed[-1] if boxed else text)
-    if boxed:
-        return boxed[-1]
-    return (tagged[-1].strip() or None) if tagged else None
+    text = _answer_text(response, fmt)
+    if text is None or kind == "math":
+        return text
+    return _gsm8k_number(text, timeout_s)
 
 
 def parse_gold(answer_field, kind: str) -> str | None:
@@ -315,10 +461,10 @@ def parse_gold(answer_field, kind: str) -> str | None:
 
 
 def format_ok(response: str, fmt: str = "boxed") -> bool:
-    """fmt "boxed": has a complete non-empty \\boxed{}. fmt "think": exactly
+    """fmt "boxed": the last \\boxed is closed and non-empty (the answer _answer_text reads). fmt "think": exactly
     <think>...</think><answer>...</answer> (whitespace around allowed), one of each, non-empty answer."""
     if fmt == "boxed":
-        return bool(_boxed_contents(response))
+        return _final_box(response) is not None
     if fmt == "think":
         m = _THINK_FORMAT.fullmatch(response)
         return (m is not None and bool(m.group(2).strip())
@@ -370,36 +516,44 @@ def math_equal(gold: str, pred: str, timeout_s: float = 5.0) -> tuple[bool, bool
     if math_verify is None:
         return True, _string_equal(gold, pred)
     try:
-        if threading.current_thread() is threading.main_thread():
-            g_ok, p_ok, eq = _mv_check(gold, pred, max(1, math.ceil(timeout_s)))
-        else:
-            box: list = []
-            worker = threading.Thread(target=lambda: box.append(_mv_check(gold, pred, None)), daemon=True)
-            worker.start()
-            worker.join(timeout_s)
-            if not box:
-                return False, False
-            g_ok, p_ok, eq = box[0]
+        checked = _limited(lambda t: _mv_check(gold, pred, t), timeout_s)
     except Exception:  # math-verify itself failed: fall back rather than crash a run
         return True, _string_equal(gold, pred)
+    if checked is None:  # abandoned after timeout_s
+        return False, False
+    g_ok, p_ok, eq = checked
     return g_ok and p_ok, eq
+
+
+def _limited(fn, timeout_s: float):
+    """fn(seconds) with math_equal's time limit; None when it was abandoned. In the main thread fn gets
+    ceil(timeout_s) to pass to math-verify, which interrupts itself with SIGALRM; in any other thread fn(None)
+    runs in a daemon worker that is abandoned after timeout_s (its exceptions are lost: None as well)."""
+    if threading.current_thread() is threading.main_thread():
+        return fn(max(1, math.ceil(timeout_s)))
+    box: list = []
+    worker = threading.Thread(target=lambda: box.append(fn(None)), daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return box[0] if box else None
 
 
 def score(response: str, gold: str | None, kind: str, fmt: str = "boxed", format_weight: float = 0.0,
           accuracy_weight: float = 1.0, timeout_s: float = 5.0) -> dict:
     """Reward of one response: format_weight * format_ok + accuracy_weight * correct.
 
-    Fail-closed: if the gold is None, no answer is found in the response, or either cannot be parsed
-    (math kind), then correct is False and parse_failed is True; the format part is still given.
+    Fail-closed: if the gold is None, the response has no final answer in the asked-for form (extract_answer),
+    or either cannot be parsed, then correct is False and parse_failed is True; the format part is still given.
+    gsm8k kind: equal values, exactly (Fractions: '0.5' == '1/2', '0.33' != '1/3').
     Returns {"reward", "correct", "format_ok", "parse_failed", "pred"}.
     """
     fmt_ok = format_ok(response, fmt)
-    pred = extract_answer(response, kind, fmt)
+    pred = extract_answer(response, kind, fmt, timeout_s)
     correct, parse_failed = False, gold is None or pred is None
     if not parse_failed and kind == "gsm8k":
         gold_num = normalize_number(gold)
         parse_failed = gold_num is None
-        correct = not parse_failed and Decimal(gold_num) == Decimal(pred)
+        correct = not parse_failed and Fraction(gold_num) == Fraction(pred)  # exact: pred may be '1/3'
     elif not parse_failed:
         checked, equal = math_equal(gold, pred, timeout_s)
         parse_failed, correct = not checked, checked and equal

@@ -35,13 +35,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 1024, fmt: str = "boxed", seed: int = 0, batch_prompts: int = 32,
-             out_dir: str | None = None, progress: bool = True) -> dict:
-    """Generate n completions for each row, score them, and summarise (see the module docstring)."""
+             out_dir: str | None = None, progress: bool = True, stop_ids: list[int] | None = None) -> dict:
+    """Generate n completions for each row, score them, and summarise (see the module docstring).
+
+    stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the tokenizer was read from."""
     from tqdm import tqdm
 
     t0, records, per_prompt = time.time(), [], []
     prompts = [data.prompt_token_ids(tokenizer, r["question"], fmt) for r in rows]
-    stops = [t for t in (tokenizer.convert_tokens_to_ids(x) for x in ("<|im_end|>", "<|endoftext|>")) if t is not None]
+    stops = stop_ids if stop_ids is not None else data.stop_token_ids(tokenizer, tokenizer.name_or_path or None)
     with tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress) as bar:
         for s in range(0, len(rows), batch_prompts):
             chunk = rows[s:s + batch_prompts]
@@ -111,7 +113,9 @@ def main(argv=None):
     engine = None
     try:
         rows, stats = data.load_rows(args.task, args.data, args.limit)
-        tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
+        model_dir = quantize.resolve_model_dir(args.model)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        stops = data.stop_token_ids(tok, model_dir)  # before loading the model: a bad folder fails fast
         max_prompt = max(len(data.prompt_token_ids(tok, r["question"], args.fmt)) for r in rows)
         batch = args.batch_prompts * args.n
         if args.engine == "builtin":
@@ -125,7 +129,7 @@ def main(argv=None):
                 engine.load_adapter_dir(args.adapter)
         out = args.out or f"runs/eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
         s = evaluate(engine, tok, rows, args.n, args.temperature, args.top_p, args.max_new_tokens, args.fmt,
-                     args.seed, args.batch_prompts, out)
+                     args.seed, args.batch_prompts, out, stop_ids=stops)
     except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

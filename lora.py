@@ -8,18 +8,19 @@ uniform), so a fresh adapter changes nothing. Disabling the adapters gives the r
 no memory cost. Files: adapter_config.json + adapter_model.safetensors with PEFT's tensor names
 (base_model.model.<module>.lora_A.weight), so peft.PeftModel and vLLM's LoRA loader read ours and we read theirs.
 
-Leaves out: DoRA, rsLoRA, per-module ranks, bias training, modules_to_save.
+Leaves out: every PEFT LoRA option beyond plain LoRA (DoRA, rsLoRA, per-module ranks or alphas, some layers only,
+bias training, modules_to_save, PiSSA-style inits that edit the base, ...): load_adapter refuses such adapters by name
+rather than load them with another meaning (see PLAIN_FIELDS).
 """
 import argparse
 import contextlib
 import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+import fsutil
 import versions
 
 versions.check()
@@ -29,6 +30,29 @@ from torch import nn  # noqa: E402
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."
+
+# adapter_config.json (PEFT's LoraConfig, peft 0.21): the fields load_adapter reads, and those that do not change
+# what a plain adapter computes (metadata, settings of options refused anyway, inputs of init methods that only
+# init_lora_weights turns on). Every OTHER field must be unset (null, false, empty) or the adapter is refused: an
+# option ignored here would load silently with another meaning (an alpha_pattern gives the wrong scale). A field
+# that a later PEFT release adds is refused the same way until someone checks what it does.
+PLAIN_FIELDS = {"r", "lora_alpha", "lora_dropout", "target_modules", "peft_type", "bias", "init_lora_weights",
+                "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+                "runtime_config", "megatron_core", "qalora_group_size", "ensure_weight_tying",
+                "loftq_config", "eva_config", "corda_config", "lora_ga_config"}
+# Initialisations after which A and B alone are the adapter; PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA also edit the
+# base weights, and MiCA is a variant with its own forward.
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+WHY = {"alpha_pattern": "per-module alphas", "rank_pattern": "per-module ranks", "use_dora": "DoRA",
+       "use_rslora": "rsLoRA, scale alpha/sqrt(r)", "layers_to_transform": "adapters on some layers only",
+       "layers_pattern": "adapters on some layers only", "modules_to_save": "whole modules trained beside the adapter",
+       "fan_in_fan_out": "weights stored transposed", "lora_bias": "a bias on lora_B",
+       "exclude_modules": "excluded modules",
+       "trainable_token_indices": "trained embedding rows", "target_parameters": "LoRA on parameters, not modules",
+       "layer_replication": "replicated layers", "megatron_config": "Megatron parallel layers",
+       "alora_invocation_tokens": "activated LoRA", "use_qalora": "QA-LoRA", "bias": "trained biases",
+       "init_lora_weights": "an init that edits the base weights, or a LoRA variant",
+       "target_modules": "a regular expression; pass a list of module names"}
 
 
 def add_lora(model, rank: int = 32, alpha: float = 64.0, dropout: float = 0.0, targets=DEFAULT_TARGETS,
@@ -131,32 +155,44 @@ def adapter_state(model) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model, path, base_model: str = "") -> Path:
-    """Write adapter_config.json + adapter_model.safetensors to `path`, atomically (temp folder, then rename)."""
+    """Write adapter_config.json + adapter_model.safetensors to `path`, atomically (fsutil: a temporary folder beside
+    it, renamed into place; an existing adapter there is replaced)."""
     if not getattr(model, "lora_config", None):
         raise ValueError("the model has no LoRA adapters: call add_lora first")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     c = model.lora_config
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
            "r": c["r"], "lora_alpha": c["lora_alpha"], "lora_dropout": c["lora_dropout"],
            "target_modules": c["target_modules"], "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None,
            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
-    try:
+    with fsutil.atomic_dir(path, replace=True) as tmp:
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
         save_file(adapter_state(model), tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
+
+
+def check_plain(cfg: dict, path) -> list[str]:
+    """The target module names of a plain LoRA adapter_config.json; ValueError naming the first field that asks for
+    more than plain LoRA (see PLAIN_FIELDS), with what to do instead."""
+    def unset(v):  # 0 is a value here (layers_to_transform=0 means layer 0), so not `not v`
+        return v is None or v is False or (isinstance(v, (str, list, dict)) and not v)
+
+    bad = [k for k, v in cfg.items() if k not in PLAIN_FIELDS and not unset(v)]
+    plain = {"peft_type": cfg.get("peft_type", "LORA") == "LORA", "bias": cfg.get("bias", "none") == "none",
+             "init_lora_weights": cfg.get("init_lora_weights", True) in PLAIN_INITS,
+             "target_modules": not isinstance(cfg.get("target_modules"), str)}  # PEFT reads a string as a regex
+    bad += [k for k, ok in plain.items() if not ok]
+    if bad:
+        k = bad[0]
+        raise ValueError(f"{path}: adapter_config.json sets {k}={json.dumps(cfg[k])[:80]} "
+                         f"({WHY.get(k, 'not a plain LoRA option')}), which lora.py does not implement: it loads "
+                         "plain LoRA only (one r and lora_alpha for all target modules, bias 'none'); merge this "
+                         "adapter into its base with peft (merge_and_unload) instead")
+    if not cfg.get("target_modules") or not cfg.get("r"):
+        raise ValueError(f"{path}: adapter_config.json needs r and target_modules (got {cfg.get('r')!r}, "
+                         f"{cfg.get('target_modules')!r}); is it a LoRA adapter?")
+    return list(cfg["target_modules"])
 
 
 def load_adapter(model, path) -> dict:
@@ -165,36 +201,36 @@ def load_adapter(model, path) -> dict:
     if not (path / "adapter_config.json").exists():
         raise FileNotFoundError(f"{path} has no adapter_config.json: pass a folder written by save_adapter or peft")
     cfg = json.loads((path / "adapter_config.json").read_text())
-    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise ValueError(f"{path}: only plain LoRA adapters are supported (no DoRA / rsLoRA)")
-    targets = cfg["target_modules"]
-    targets = [targets] if isinstance(targets, str) else targets
+    targets = check_plain(cfg, path)
+    alpha, dropout = cfg["lora_alpha"], cfg.get("lora_dropout", 0.0)
     f = path / "adapter_model.safetensors"
     if not f.exists():
         raise FileNotFoundError(f"{path} has no adapter_model.safetensors (a .bin adapter must be converted first)")
     sd = {k.replace(".default.", "."): v for k, v in load_file(f).items()}
     if getattr(model, "lora_config", None) is None:
-        add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), tuple(targets))
+        add_lora(model, cfg["r"], alpha, dropout, tuple(targets))
     elif model.lora_config["r"] != cfg["r"] or sorted(model.lora_config["target_modules"]) != sorted(targets):
         raise ValueError(f"{path}: adapter has r={cfg['r']}, targets {sorted(targets)}; the model's LoRA has "
                          f"r={model.lora_config['r']}, targets {model.lora_config['target_modules']}")
-    expected = set()
-    with torch.no_grad():
-        for name, lin in model.linears():
-            if lin.lora_A is None:
-                continue
-            for part, param in (("lora_A", lin.lora_A), ("lora_B", lin.lora_B)):
-                key = f"{PREFIX}{name}.{part}.weight"
-                expected.add(key)
-                if key not in sd:
-                    raise ValueError(f"{path}: missing tensor {key}")
-                if tuple(sd[key].shape) != tuple(param.shape):
-                    raise ValueError(f"{path}: tensor {key} has shape {tuple(sd[key].shape)}, the model needs {tuple(param.shape)}")
-                param.copy_(sd[key])
-            lin.lora_scale = cfg["lora_alpha"] / cfg["r"]
-    extra = sorted(set(sd) - expected)
+    pairs = [(f"{PREFIX}{name}.{part}.weight", param) for name, lin in model.linears() if lin.lora_A is not None
+             for part, param in (("lora_A", lin.lora_A), ("lora_B", lin.lora_B))]
+    for key, param in pairs:  # every check before the first copy: a refused adapter leaves the model as it was
+        if key not in sd:
+            raise ValueError(f"{path}: missing tensor {key}")
+        if tuple(sd[key].shape) != tuple(param.shape):
+            raise ValueError(f"{path}: tensor {key} has shape {tuple(sd[key].shape)}, the model needs "
+                             f"{tuple(param.shape)}")
+    extra = sorted(set(sd) - {key for key, _ in pairs})
     if extra:
         raise ValueError(f"{path}: tensors for modules this model does not have, e.g. {extra[0]}")
+    with torch.no_grad():
+        for key, param in pairs:
+            param.copy_(sd[key])  # in place: an optimizer holding these parameters keeps them
+    for _, lin in model.linears():
+        if lin.lora_A is not None:
+            lin.lora_scale, lin.lora_dropout = alpha / cfg["r"], dropout
+    # the model's LoRA now IS this adapter, alpha and dropout included, so that save_adapter writes what was loaded
+    model.lora_config = {**model.lora_config, "lora_alpha": alpha, "lora_dropout": dropout}
     return cfg
 
 
@@ -207,7 +243,6 @@ def export_merged(model, src_dir, out_dir) -> Path:
     src, out = quantize.resolve_model_dir(str(src_dir)), Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists: choose another folder")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent if out.parent.exists() else None))
     sd = {}
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -219,14 +254,15 @@ def export_merged(model, src_dir, out_dir) -> Path:
             if lin.lora_A is not None:
                 w = w + (lin.lora_B.float() @ lin.lora_A.float()).to(w.device) * lin.lora_scale
             sd[name + ".weight"] = w.to(torch.bfloat16).cpu().contiguous()
-    save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((src / "config.json").read_text())
     raw.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(f, tmp / f.name)
-    tmp.rename(out)
+    with fsutil.atomic_dir(out) as tmp:  # beside `out`, its parent made if needed: the final rename stays on one disk
+        save_file({k: v.contiguous() for k, v in sd.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        for f in src.iterdir():
+            skip = f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json")
+            if f.is_file() and not skip:
+                shutil.copy2(f, tmp / f.name)
     M.Model.from_pretrained(out)  # the export must load back
     return out
 

@@ -239,15 +239,22 @@ def silu_mul(gu, n: int, up_off: int):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# RMSNorm with an AQN noise vector: y = bf16(weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF numerics
+# RMSNorm with an AQN noise vector: y = (weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF numerics. weight + noise
+# is formed in fp32 and multiplied in fp32, one rounding to the output: rounded to bf16 first, w + z would equal w for
+# |w| in [0.5, 2] and sigma <= 7e-4 (half a bf16 ulp there is 2e-3 to 4e-3), so the late AQN stages would add nothing.
 
 def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
-    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers), returns (y, h)."""
+    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers), returns (y, h).
+    Without noise y = weight * x_hat as HF computes it; with noise y = (weight + noise in fp32) * x_hat rounded once to
+    the dtype HF's product has (torch's promotion of weight and x), so a zero noise gives HF's y bit for bit."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
-    w = weight if noise is None else (weight.float() + noise.float()).to(weight.dtype)
     xf = h.float()
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-    y = w * xn
+    if noise is None:
+        y = weight * xn
+    else:
+        w = weight.float() + noise.float()                                  # (H,) fp32: keeps the small z
+        y = (w * xn.float()).to(torch.promote_types(weight.dtype, h.dtype))
     return y if residual is None else (y, h)
 
 
@@ -264,11 +271,11 @@ if triton is not None:
             tl.store(h_ptr + row * H + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        if HAS_NOISE:
-            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NOISE:   # weight + noise stays fp32 (rounded to bf16 the late, small noise would vanish)
+            w += tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         xn = (xf * rstd).to(x.dtype).to(tl.float32)
-        tl.store(y_ptr + row * H + cols, (w.to(tl.float32) * xn).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * H + cols, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
@@ -277,10 +284,9 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        if HAS_NOISE:
-            w = (w.to(tl.float32) + tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(w.dtype)
-        w = w.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NOISE:   # dX sees the forward's effective weight, weight + noise in fp32; dW needs no noise term,
+            w += tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)   # d(w + z)/dw = 1
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         for i in tl.range(0, ROWS_PER_PROG, num_stages=3):  # masked, not branched: the loads of later rows go ahead
             row = (pid * ROWS_PER_PROG + i).to(tl.int64)

@@ -87,21 +87,28 @@ def test_competition_golds(rows):
 GSM8K_RESPONSES = [
     ("She makes 9 * 2 = $18 every day.\nThe answer is \\boxed{18}.", "18"),
     ("In total he earns \\boxed{\\$1,080}", "1080"),
-    ("So the total cost was $1,450,000.", "1450000"),                 # no box: last number, commas, $
-    ("The average temperature was -7 degrees Fahrenheit.", "-7"),     # negative
+    ("So the total cost was \\boxed{\\$1,450,000}.", "1450000"),        # commas, $
+    ("The average temperature was \\boxed{-7 \\text{ degrees}}", "-7"),  # negative, unit word
     ("It was 2 - 5 = -3 degrees, so \\boxed{-3}", "-3"),
-    ("10 - 3 = 7, so the answer is 7 dollars", "7"),                  # units
-    ("After the sale she has 12-7", "7"),                             # a minus after a digit subtracts
-    ("The answer is 18.00", "18"),                                    # trailing .00
+    ("10 - 3 = 7, so the answer is \\boxed{7 dollars}", "7"),           # units
+    ("\\boxed{18.00}", "18"),                                          # trailing .00
     ("\\boxed{+18.0}", "18"),                                         # leading +, trailing .0
     ("\\boxed{2.50}", "2.5"),
     ("\\boxed{18 \\text{ dollars}}", "18"),
     ("\\boxed{1{,}080}", "1080"),                                     # LaTeX thousands separator
     ("The answer is \\boxed 5", "5"),                                 # \boxed without braces
     ("First \\boxed{12}, but that was wrong; finally \\boxed{18}.", "18"),   # several boxed: the LAST wins
-    ("Answer: \\boxed{12} ... recheck: \\boxed{1", "12"),             # truncated last box is ignored
+    ("I put it in \\boxed{}: \\boxed{18}", "18"),                     # an empty box is no answer, skipped
     ("I am not sure how to solve this.", None),                      # no answer at all
     ("\\boxed{C}", None),                                             # a box without a number
+    # Fail-closed: without a closed last box there is no answer, whatever numbers the text holds. Each of these
+    # scored before (the last number anywhere, or an earlier box).
+    ("So the total cost was $1,450,000.", None),
+    ("The average temperature was -7 degrees Fahrenheit.", None),
+    ("10 - 3 = 7, so the answer is 7 dollars", None),
+    ("The answer is 18.00", None),
+    ("Answer: \\boxed{12} ... recheck: \\boxed{1", None),             # the last box is cut off
+    ("The answer is \\boxed", None),
 ]
 
 
@@ -127,6 +134,101 @@ def test_gsm8k_scoring_and_fail_closed():
     assert s["reward"] == 0.0 and s["parse_failed"]
 
 
+# Issue 40's cases: (response, right gold, gold of what it scored before): right with the first, wrong with the second.
+ISSUE_CASES = [
+    ("\\boxed{16}", "16", None),
+    ("\\boxed{\\frac{1}{2}}", "0.5", "2"),        # was 2: the last number of the box
+    ("\\boxed{-\\$5}", "-5", "5"),                # was 5: \$ hid the sign
+    ("\\boxed{.5}", "0.5", None),                 # was a parse failure
+    ("\\boxed{1e3}", "1000", "1"),
+    ("\\boxed{10^3}", "1000", "3"),
+    ("\\boxed{2\\times10^3}", "2000", "3"),
+]
+
+
+@pytest.mark.parametrize("response,gold,old", ISSUE_CASES)
+def test_gsm8k_box_contents_from_the_issue(response, gold, old):
+    s = data.score(response, gold, "gsm8k")
+    assert s["correct"] and not s["parse_failed"] and s["pred"] == gold and s["reward"] == 1.0
+    if old is not None:
+        s = data.score(response, old, "gsm8k")
+        assert not s["correct"] and not s["parse_failed"] and s["reward"] == 0.0
+
+
+@pytest.mark.parametrize("response,gold,fmt_ok", [
+    ("Janet's ducks lay 16 eggs per day.", "16", False),   # echoes the question (GSM8K test row 0): was correct
+    ("\\boxed{7", "7", False),                            # truncated, no closing brace: was correct
+    ("\\boxed{10:30}", "30", True),                       # a time is not a number: was 30
+])
+def test_gsm8k_no_answer_scores_zero_as_parse_failure(response, gold, fmt_ok):
+    s = data.score(response, gold, "gsm8k", format_weight=0.5)
+    assert s == {"reward": 0.5 * fmt_ok, "correct": False, "format_ok": fmt_ok, "parse_failed": True, "pred": None}
+
+
+# Box contents: a number, possibly with unit words or as an expression of one value, else not a number (None).
+BOX_CONTENTS = [
+    ("16 eggs per day", "16"),
+    ("\\text{16 eggs}", "16"),
+    ("25\\%", "25"),
+    ("90^\\circ", "90"),
+    ("\\$1,080.00", "1080"),
+    ("\\$-5", "-5"),
+    ("\\frac{3}{4}", "0.75"),
+    ("\\dfrac{1}{2} \\text{ cup}", "0.5"),        # a unit after an expression
+    ("12 - 7", "5"),
+    ("1.5 \\times 10^{2}", "150"),
+    ("\\frac{1}{3}", "1/3"),                      # exact, never rounded
+    ("5 and 7", None),                             # two different numbers
+    ("5, 7", None),
+    ("16 or 18", None),
+    ("1,08", None),                                # not a thousands separator: a list
+    ("x = 18", None),                              # a variable
+    ("The answer is 18.", None),                   # words before the number
+    ("3:1", None),                                 # a ratio
+    ("2\\pi", None),                               # irrational
+    ("10^{10^{10}}", None),                        # too large to be a GSM8K answer (and to expand)
+    ("1e999", None),
+]
+
+
+@pytest.mark.parametrize("content,expected", BOX_CONTENTS)
+def test_gsm8k_box_contents(content, expected):
+    assert data.extract_answer(f"so \\boxed{{{content}}}", "gsm8k") == expected
+
+
+def test_gsm8k_values_compare_exactly():
+    assert not data.score("\\boxed{\\frac{1}{3}}", "0.33", "gsm8k")["correct"]
+    assert data.score("\\boxed{\\frac{6}{12}}", "0.5", "gsm8k")["correct"]
+    assert data.score("\\boxed{\\frac{6}{2}}", "3", "gsm8k")["pred"] == "3"
+
+
+# fmt "think": the answer is the last closed <answer> block (its last box if it has one); nothing else counts.
+THINK_ANSWERS = [
+    ("<think>9*2=18</think><answer>\\boxed{18}</answer>", "18"),
+    ("<think>9*2=18</think><answer> 18 </answer>", "18"),                # QeRL's bare answer
+    ("<think>\\boxed{18}</think><answer>\\boxed{17}</answer>", "17"),
+    ("<think>so 18</think>\\boxed{18}", None),                          # a box outside any answer block
+    ("<think>so 18</think><answer>\\boxed{18}", None),                  # the block is not closed (truncated)
+    ("<answer>\\boxed{18}</answer> wait: <answer>\\boxed{19}", None),  # the last block is not closed
+    ("<think>x</think><answer>\\boxed{18</answer>", None),              # its box is not closed
+    ("<think>x</think><answer>The answer is 18.</answer>", None),
+    ("<think>x</think><answer> </answer>", None),
+]
+
+
+@pytest.mark.parametrize("response,expected", THINK_ANSWERS)
+def test_think_answers_are_fail_closed(response, expected):
+    assert data.extract_answer(response, "gsm8k", fmt="think") == expected
+
+
+def test_gsm8k_expressions_off_the_main_thread():
+    box = []
+    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{\\frac{1}{2}}", "0.5", "gsm8k")))
+    t.start()
+    t.join(30)
+    assert box and box[0]["correct"] and not box[0]["parse_failed"]
+
+
 # ----------------------------------------------------------------------------- MATH-style extraction and scoring
 
 def test_math_extraction():
@@ -137,6 +239,8 @@ def test_math_extraction():
     assert data.extract_answer("\\fbox{7}", "math") == "7"
     assert data.extract_answer("\\boxed{} then \\boxed{x^{2}}", "math") == "x^{2}"  # empty boxes don't count
     assert data.extract_answer("The answer is 1/2.", "math") is None   # math answers must be boxed
+    assert data.extract_answer("\\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "math") is None   # last box cut off
+    assert data.extract_answer("<think>x</think>\\boxed{\\frac{1}{2}}", "math", fmt="think") is None  # no <answer>
 
 
 def test_math500_solutions_boxed_answer_matches_gold(rows):
@@ -272,6 +376,7 @@ def test_boxed_format():
     assert not data.format_ok("so 1/2", "boxed")
     assert not data.format_ok("so \\boxed{}", "boxed")
     assert not data.format_ok("so \\boxed{\\frac{1}{2}", "boxed")    # unclosed
+    assert not data.format_ok("so \\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "boxed")   # the last one is unclosed
 
 
 def test_think_extraction_prefers_the_answer_block():
@@ -285,8 +390,10 @@ def test_format_and_accuracy_weights_are_separate():
     good = "<think>9*2</think><answer>\\boxed{18}</answer>"
     assert data.score(good, "18", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(1.2)
     assert data.score(good, "17", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(0.2)
-    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, wrong format
+    s = data.score("<answer>\\boxed{18}</answer>", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, no <think>
     assert s["correct"] and not s["format_ok"] and s["reward"] == pytest.approx(1.0)
+    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # no <answer> block: no answer at all
+    assert not s["correct"] and s["parse_failed"] and s["reward"] == 0.0
     assert data.score(good, "18", "gsm8k", "think", 0.0, 0.5)["reward"] == pytest.approx(0.5)
     summary = data.summarize([data.score(good, "18", "gsm8k", "think"), data.score("no", "18", "gsm8k", "think")])
     assert summary == {"n": 2, "reward": 0.5, "accuracy": 0.5, "format_rate": 0.5, "parse_fail_rate": 0.5}
@@ -417,3 +524,79 @@ def test_unknown_kind_and_format():
         data.format_ok("\\boxed{1}", "xml")
     with pytest.raises(ValueError, match="gold kind"):
         data.parse_gold("1", "code")
+
+
+# ----------------------------------------------------------------------------- stop tokens
+
+LLAMA3_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+                   "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>"
+                   "\n\n{% endif %}")
+WORDS = ["[UNK]", "What", "is", "2", "+", "3", "?", "system", "user", "assistant"]
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+END_OF_TEXT, EOT = len(WORDS) + 1, len(WORDS) + 4   # ids of the special tokens, added after the words
+
+
+def llama3_style_tokenizer(folder: Path, eos_token="<|end_of_text|>", template=LLAMA3_TEMPLATE):
+    """A tiny tokenizer laid out like Llama 3's: eos <|end_of_text|>, turns end with <|eot_id|>, no <|im_end|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.add_special_tokens(LLAMA3_SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", bos_token="<|begin_of_text|>",
+                                   eos_token=eos_token)
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def test_stop_tokens_of_a_llama3_style_tokenizer(tmp_path):
+    tok = llama3_style_tokenizer(tmp_path)
+    assert tok.convert_tokens_to_ids("<|eot_id|>") == EOT and tok.eos_token_id == END_OF_TEXT
+    assert tok.convert_tokens_to_ids("<|im_end|>") in (None, tok.unk_token_id)   # what the old code looked for
+    assert data.stop_token_ids(tok) == [END_OF_TEXT, EOT]
+    assert data.stop_token_ids(tok, tmp_path) == [END_OF_TEXT, EOT]   # a folder without generation_config.json
+    assert data.build_prompt(tok, "What is 2 + 3 ?").endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+@pytest.mark.parametrize("eos,expected", [
+    ([EOT, END_OF_TEXT, 7], [EOT, END_OF_TEXT, 7]),   # a list, as Llama 3.1's generation_config.json has
+    (EOT, [EOT, END_OF_TEXT]),                         # an int
+    (None, [END_OF_TEXT, EOT]),
+])
+def test_stop_tokens_from_generation_config(tmp_path, eos, expected):
+    tok = llama3_style_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "temperature": 0.6}))
+    assert data.stop_token_ids(tok, tmp_path) == expected
+
+
+def test_stop_tokens_of_the_bundled_qwen_tokenizer(tokenizer):
+    # tests/assets/qwen2.5-tokenizer/generation_config.json lists [151645, 151643]: <|im_end|>, <|endoftext|>
+    assert data.stop_token_ids(tokenizer, TOKENIZER_DIR) == [151645, 151643]
+    assert data.stop_token_ids(tokenizer) == [151645]   # eos is <|im_end|>, also the template's end of turn
+
+
+def test_stop_tokens_for_a_hub_id(tokenizer, monkeypatch):
+    import transformers
+    asked = []
+
+    def offline(name, *a, **k):
+        asked.append(name)
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained", offline)
+    assert data.stop_token_ids(tokenizer, "Qwen/Qwen2.5-7B-Instruct") == [151645]   # the tokenizer alone
+    assert asked == ["Qwen/Qwen2.5-7B-Instruct"]
+    monkeypatch.setattr(transformers.GenerationConfig, "from_pretrained",
+                        lambda name, *a, **k: transformers.GenerationConfig(eos_token_id=[151643, 151645]))
+    assert data.stop_token_ids(tokenizer, "Qwen/Qwen2.5-7B-Instruct") == [151643, 151645]
+
+
+def test_no_stop_token_is_an_error(tmp_path):
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"   # no end-of-turn token
+    tok = llama3_style_tokenizer(tmp_path, eos_token=None, template=plain)
+    assert tok.eos_token_id is None
+    with pytest.raises(ValueError, match="no stop token.*eos_token"):
+        data.stop_token_ids(tok, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|eot_id|>"]}))
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        data.stop_token_ids(tok, tmp_path)

@@ -1,5 +1,6 @@
 """eval.py: pass@k, an end-to-end evaluation of tiny models (bf16, NVFP4 + adapter) on GSM8K rows, and bad input."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import eval as E
 import lora
 import model as M
 import quantize as Q
+import rollout
 
 
 def test_pass_at_k_unbiased_estimator():
@@ -66,3 +68,45 @@ def test_eval_bad_rows_and_adapter(make_checkpoint, tmp_path, capsys):
     assert E.main(["--model", str(make_checkpoint("qwen2_oddk")), "--adapter", str(tmp_path / "ad"), "--task", "gsm8k",
                    "--limit", "1"]) == 2
     assert "has shape" in capsys.readouterr().err
+
+
+class RecordingEngine:
+    """Stands in for the rollout engine: records the stop tokens of each call, ends every response at once."""
+
+    def __init__(self):
+        self.stops = []
+
+    def generate(self, prompts, n=1, stop_token_ids=None, **kw):
+        self.stops.append(stop_token_ids)
+        end = list(stop_token_ids[:1])
+        return [rollout.Sample(i, end, [0.0], "stop") for i in range(len(prompts)) for _ in range(n)]
+
+
+def llama3_chat_folder(make_checkpoint, folder, **tokenizer_kw):
+    """A tiny checkpoint whose tokenizer ends turns like Llama 3 (<|eot_id|>, no <|im_end|>), no generation_config."""
+    from test_data import llama3_style_tokenizer
+    shutil.copytree(make_checkpoint("qwen2"), folder)
+    for f in folder.iterdir():
+        if f.name != "config.json" and f.suffix != ".safetensors":
+            f.unlink()
+    llama3_style_tokenizer(folder, **tokenizer_kw)
+    return folder
+
+
+def test_eval_stops_on_the_models_own_tokens(make_checkpoint, tmp_path, monkeypatch, capsys):
+    from test_data import END_OF_TEXT, EOT
+    folder = llama3_chat_folder(make_checkpoint, tmp_path / "llama3-chat")
+    engine = RecordingEngine()
+    monkeypatch.setattr(rollout, "make_engine", lambda *a, **k: engine)
+    args = ["--model", str(folder), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev")]
+    assert E.main(args) == 0
+    assert engine.stops == [[END_OF_TEXT, EOT]]   # the old hard-coded <|im_end|>/<|endoftext|> gave []
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOT, 3]}))
+    engine.stops.clear()
+    assert E.main(args) == 0
+    assert engine.stops == [[EOT, 3, END_OF_TEXT]]
+    capsys.readouterr()
+    bare = llama3_chat_folder(make_checkpoint, tmp_path / "bare", eos_token=None,
+                              template="{{ messages[0]['content'] }}")
+    assert E.main(["--model", str(bare), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev2")]) == 2
+    assert "error: no stop token" in capsys.readouterr().err

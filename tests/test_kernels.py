@@ -360,8 +360,8 @@ def test_rms_norm_forward(device, dtype, H, with_noise, with_res):
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype == dtype
         # same roundings as HF; rsqrt in Triton vs torch may differ in the last fp32 bit, which can move a bf16
-        # rounding by one ulp (2^-7 relative). The CPU interpreter truncates each of its (up to 4: h, weight +
-        # noise, x_hat, y) bf16 casts instead of rounding to nearest: 4 ulps there. fp32 checks the math tightly.
+        # rounding by one ulp (2^-7 relative). The CPU interpreter truncates each of its (up to 3: h, x_hat, y)
+        # bf16 casts instead of rounding to nearest: 4 ulps there. fp32 checks the math tightly.
         ulp = (2.0 ** -7 if device == "cuda" else 2.0 ** -5) if dtype == torch.bfloat16 else 1e-6
         assert ((a.float() - b.float()).abs() <= ulp * b.float().abs() + 1e-6).all()
 
@@ -390,6 +390,97 @@ def test_rms_norm_backward(device, with_noise, with_res, M, H):
 
     for a, b in zip(run(ops.rms_norm), run(ops.rms_norm_ref)):  # dW sums M rows: its tolerance grows with M
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * max(1, M // 100)), (a - b).abs().max()
+
+
+def norm_weight(H, g, device, dtype=torch.bfloat16):
+    """|w| uniform in [0.5, 2] with random signs, as trained RMSNorm weights mostly are."""
+    mag = 0.5 + 1.5 * torch.rand(H, generator=g)
+    return (mag * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)).to(device, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [ops.rms_norm_ref, ops.rms_norm], ids=["reference", "triton"])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm_small_noise_moves_bf16_outputs(device, fn, with_res):
+    """AQN's last stage (sigma 5e-4) on bf16 weights in [0.5, 2]: bf16(w + z) == w there for every channel, so a norm
+    that rounds w + z to bf16 changes nothing. With w + z in fp32 most channels' output columns move (a single
+    output moves only when the z x_hat change crosses a bf16 rounding boundary, about 7% of the time, so a channel
+    is judged over 64 rows; those with the smallest |z| stay put: 88% move here), and each output that moves goes the
+    way z * x_hat points."""
+    g = torch.Generator().manual_seed(11)
+    M, H = 64, 128
+    x = torch.randn(M, H, generator=g).to(device, torch.bfloat16)
+    res = torch.randn(M, H, generator=g).to(device, torch.bfloat16) if with_res else None
+    w = norm_weight(H, g, device)
+    z = (5e-4 * torch.randn(H, generator=g)).to(device)
+    assert torch.equal((w.float() + z).to(torch.bfloat16), w)          # rounded to bf16, the noise is gone
+    clean, noisy = fn(x, w, 1e-6, None, res), fn(x, w, 1e-6, z, res)
+    if with_res:
+        assert torch.equal(noisy[1], clean[1])                           # h = x + residual does not see the noise
+        clean, noisy = clean[0], noisy[0]
+    assert noisy.dtype == torch.bfloat16
+    moved = noisy != clean                                               # (M, H)
+    assert moved.any(0).float().mean() >= 0.75, moved.any(0).float().mean()
+    h = x if res is None else (x.float() + res.float()).to(torch.bfloat16)
+    push = torch.sign(z) * torch.sign(h.float())                         # sign of z * x_hat (rstd > 0)
+    assert torch.equal(torch.sign((noisy.float() - clean.float())[moved]), push[moved])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm_fp32_noise_on_bf16_weight_forward_backward(device, with_res):
+    """bf16 weights, fp32 activations, sigma 5e-4: the Triton kernel and the reference both against the float64
+    formula with w + z kept exact: y = (w + z) x_hat; dX = rstd (dy (w + z) - x_hat mean(dy (w + z) x_hat));
+    dW = sum over rows of dy x_hat (no noise term: d(w + z)/dw = 1). Rounding w + z to bf16 would drop z entirely
+    (an error of |z x_hat|, about 4e-4, far above these fp32 tolerances)."""
+    g = torch.Generator().manual_seed(5)
+    M, H = 6, 96
+    x0 = (2 * torch.randn(M, H, generator=g)).to(device)
+    r0 = torch.randn(M, H, generator=g).to(device) if with_res else None
+    w0 = norm_weight(H, g, device)
+    z = (5e-4 * torch.randn(H, generator=g)).to(device)
+    dy, dh = torch.randn(M, H, generator=g).to(device), torch.randn(M, H, generator=g).to(device)
+    # float64 expectations
+    h64 = x0.double() + (r0.double() if with_res else 0)
+    rstd = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    xhat = h64 * rstd
+    weff = w0.double() + z.double()
+    y64 = weff * xhat
+    g64 = dy.double() * weff
+    dx64 = rstd * (g64 - xhat * (g64 * xhat).mean(-1, keepdim=True)) + (dh.double() if with_res else 0)
+    dw64 = (dy.double() * xhat).sum(0)
+    for fn in (ops.rms_norm, ops.rms_norm_ref):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        r = r0.clone().requires_grad_(True) if with_res else None
+        out = fn(x, w, 1e-6, z, r)
+        y = out[0] if with_res else out
+        loss = (y * dy).sum() + ((out[1] * dh).sum() if with_res else 0)
+        loss.backward()
+        assert y.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+        assert torch.allclose(y.double(), y64, rtol=1e-5, atol=1e-6), (fn.__name__, (y.double() - y64).abs().max())
+        assert torch.allclose(x.grad.double(), dx64, rtol=1e-4, atol=1e-5), (fn.__name__, (x.grad - dx64).abs().max())
+        if with_res:
+            assert torch.allclose(r.grad.double(), dx64, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(w.grad.double(), dw64, rtol=2 ** -8, atol=1e-5)   # dW is rounded to the bf16 weight
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_backward_bf16_with_small_noise(device):
+    """All-bf16 backward with AQN noise: the kernel (fp32 inside, one rounding per output) against autograd on the
+    reference (which rounds its intermediate gradients to bf16): within a few bf16 ulps overall."""
+    g = torch.Generator().manual_seed(3)
+    M, H = 8, 64
+    x = (2 * torch.randn(M, H, generator=g)).to(device, torch.bfloat16).requires_grad_(True)
+    w = norm_weight(H, g, device).requires_grad_(True)
+    z = (5e-4 * torch.randn(H, generator=g)).to(device)
+    dy = torch.randn(M, H, generator=g).to(device, torch.bfloat16)
+    grads = []
+    for fn in (ops.rms_norm, ops.rms_norm_ref):
+        x.grad = w.grad = None
+        (fn(x, w, 1e-6, z) * dy).float().sum().backward()
+        grads.append((x.grad.float(), w.grad.float()))
+    for a, b in zip(*grads):
+        assert (a - b).norm() <= 2e-2 * b.norm(), ((a - b).norm() / b.norm()).item()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -276,16 +276,19 @@ def test_export_merged(make_checkpoint, tmp_path):
 # AQN
 
 def test_sigma_schedule_at_stage_boundaries():
-    # 100 steps, 10 stages of 10: stage 0 is noise-free; stage k >= 1: 1e-2 * (5e-4 / 1e-2) ** ((k - 1) / 9)
+    # The README recipe: 100 steps, 10 stages of 10 steps (QeRL's count: the noise-free stage is one of them). Stage 0
+    # is noise-free; the 9 noisy stages k = 1..9 follow the paper, 1e-2 * (5e-4 / 1e-2) ** ((k - 1) / (9 - 1)): from
+    # sigma_start exactly to sigma_end exactly (the old schedule stopped at 1e-2 * 0.05 ** (8 / 9) = 6.97e-4).
+    paper = [1e-2 * 0.05 ** ((k - 1) / 8) for k in range(1, 10)]
+    written = [1.0e-2, 6.8766e-3, 4.7287e-3, 3.2517e-3, 2.2361e-3, 1.5376e-3, 1.0574e-3, 7.2711e-4, 5.0e-4]
+    assert paper == pytest.approx(written, rel=1e-4)
     assert noise.sigma_at(0, 100) == 0.0 and noise.sigma_at(9, 100) == 0.0
-    assert noise.sigma_at(10, 100) == pytest.approx(1e-2)
-    assert noise.sigma_at(19, 100) == pytest.approx(1e-2)
-    assert noise.sigma_at(20, 100) == pytest.approx(1e-2 * 0.05 ** (1 / 9))
-    assert noise.sigma_at(99, 100) == pytest.approx(1e-2 * 0.05 ** (8 / 9))
-    assert noise.sigma_at(500, 100) == pytest.approx(1e-2 * 0.05 ** (8 / 9))
-    sig = [noise.sigma_at(s, 100) for s in range(10, 100, 10)]
-    assert all(a > b for a, b in zip(sig, sig[1:]))  # exponential decay, strictly down
-    assert noise.sigma_at(5, 10, 5e-2, 1e-4, stages=2) == 5e-2
+    for k in range(1, 10):                                   # each stage's first and last step
+        assert noise.sigma_at(10 * k, 100) == pytest.approx(paper[k - 1], rel=1e-12)
+        assert noise.sigma_at(10 * k + 9, 100) == pytest.approx(paper[k - 1], rel=1e-12)
+    assert noise.sigma_at(10, 100) == 1e-2 and noise.sigma_at(99, 100) == 5e-4      # the two ends exactly
+    assert noise.sigma_at(500, 100) == 5e-4                  # past the end: the last stage
+    assert noise.sigma_at(5, 10, 5e-2, 1e-4, stages=2) == 5e-2   # one noisy stage: it is the first, sigma_start
     with pytest.raises(ValueError):
         noise.sigma_at(0, 100, 1e-4, 1e-2)
 
