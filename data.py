@@ -164,6 +164,11 @@ def _read_hub(name: str, split: str | None) -> list[dict]:
     return [dict(r) for r in datasets.load_dataset(repo, config or None, split=split or "train")]
 
 
+def is_generated(task: str) -> bool:
+    """True for a task whose rows are generated in code (it reads no file, so --data means nothing to it)."""
+    return task.startswith("synthetic")
+
+
 def load_rows(task: str, path: str | None = None, limit: int | None = None,
               seed: int | None = None) -> tuple[list[dict], dict]:
     """Rows of `task` as dicts {"question", "gold", "kind", "task", "index"} and a stats dict.
