@@ -6,21 +6,17 @@ What it does
     ("owner/name" or "owner/name:config", needs the `datasets` package and network access).
   - Builds prompts with the tokenizer's chat template: a system prompt asking for the final answer in
     \\boxed{} (fmt "boxed"), or QeRL's <think>...</think><answer>...</answer> format (fmt "think").
-  - Extracts answers and scores them, fail-closed: only a complete, closed answer in the asked-for form earns
-    accuracy credit. fmt "boxed": the content of the LAST \\boxed{...}; a response without one, or whose last box
-    is cut off ("\\boxed{7"), has no answer, however many numbers its prose holds ("Janet's ducks lay 16 eggs per
-    day." echoes the question and earns nothing). fmt "think": the last <answer>...</answer> block, closed; with a
-    \\boxed{} inside (as the prompt asks) its last box, else the block's whole text; nothing outside the block
-    counts, boxes in <think> included.
-  - GSM8K-style ("gsm8k" kind): the answer must BE a number. A plain one is read directly (commas, $, a leading +,
-    trailing .0, .5, 1e3), also with unit words after it ("18 dollars", "16 eggs per day", "25%": GSM8K models
-    often add them, and the number is unambiguous). Anything else is parsed by math-verify and counts only when
-    it is one real number (\\frac{1}{2} = 0.5, 10^3, 2\\times10^3 = 2000, 12-7 = 5). Not numbers: words before
-    or between numbers ("The answer is 18", "5 and 7"), variables ("x = 18"), times and ratios ("10:30"), lists,
-    irrationals; they score 0 as parse failures. MATH-style ("math" kind): equivalence by math-verify
-    (fractions, LaTeX, intervals) with a timeout. An unparsable gold or response gets no accuracy reward, and
-    score() says so in "parse_failed" so that callers can count it. Format and accuracy rewards are separate,
-    each with its own weight.
+  - Extracts answers and scores them, fail-closed: only a closed answer in the asked-for form earns accuracy
+    credit. fmt "boxed": the LAST \\boxed{...}; none, or a cut-off last one ("\\boxed{7"), is no answer, whatever
+    numbers the prose holds ("Janet's ducks lay 16 eggs per day." echoes the question). fmt "think": the last
+    closed <answer>...</answer> block (its last box if it has one, else its whole text); nothing outside it counts.
+  - GSM8K-style ("gsm8k" kind): the answer must BE a number: a plain one (commas, $, leading +, trailing .0, .5,
+    1e3), also followed by unit words ("18 dollars", "25%": common in GSM8K outputs, and unambiguous); else one
+    real value by math-verify (\\frac{1}{2} = 0.5, 2\\times10^3 = 2000). Words around or between numbers ("The
+    answer is 18", "5 and 7"), variables, times ("10:30"), lists and irrationals are parse failures.
+    MATH-style ("math" kind): equivalence by math-verify (fractions, LaTeX, intervals) with a timeout. An
+    unparsable gold or response gets no accuracy reward, and score() says so in "parse_failed" so that callers
+    can count it. Format and accuracy rewards are separate, each with its own weight.
   - stop_token_ids(): the token ids that end a reply, from the model folder's generation_config.json and the
     tokenizer (eos and the chat template's end-of-turn token), so that generation stops on any chat model.
 
@@ -46,7 +42,7 @@ import os
 import random
 import re
 import threading
-from decimal import Decimal, InvalidOperation, localcontext
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
 try:
@@ -371,16 +367,11 @@ def normalize_number(text: str) -> str | None:
 
 
 def _fraction_text(f: Fraction) -> str:
-    """'0.5' for 1/2, '2000' for 2000/1: a finite decimal when there is one (denominator 2^a 5^b), else '1/3'."""
-    q = f.denominator
-    for p in (2, 5):
-        while q % p == 0:
-            q //= p
-    if q != 1:
+    """'0.5' for 1/2, '2000' for 2000/1: the exact decimal when there is one (the denominator divides 10^60; the
+    Decimal constructor does not round), else the fraction: '1/3'."""
+    if 10 ** 60 % f.denominator:
         return f"{f.numerator}/{f.denominator}"
-    with localcontext() as ctx:
-        ctx.prec = 80  # 2^a 5^b denominators give exact quotients of at most a few dozen digits here
-        return normalize_number(str(Decimal(f.numerator) / Decimal(f.denominator)))
+    return normalize_number(str(Decimal(f"{f.numerator * (10 ** 60 // f.denominator)}E-60")))
 
 
 def _clean_box(s: str) -> str:

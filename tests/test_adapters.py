@@ -49,7 +49,8 @@ def peft_adapter(src, folder, **config):
 
 def test_plain_peft_adapter_loads(src, tmp_path):
     """The check is no wall: a plain adapter as peft writes it (all of its LoraConfig fields) loads and matches."""
-    pm = peft_adapter(src, tmp_path / "ad", r=4, lora_alpha=8, target_modules=list(TARGETS), init_lora_weights="gaussian")
+    pm = peft_adapter(src, tmp_path / "ad", r=4, lora_alpha=8, target_modules=list(TARGETS),
+                      init_lora_weights="gaussian")
     m = M.Model.from_pretrained(src, dtype=torch.float32)
     lora.load_adapter(m, tmp_path / "ad")
     with torch.no_grad():
