@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
+import rewards  # noqa: E402
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "qwen2.5-tokenizer"
 
@@ -316,7 +317,7 @@ def test_math12k_golds_that_need_cleaning(gold, response):
 
 
 def test_math_fallback_without_math_verify(monkeypatch):
-    monkeypatch.setattr(data, "math_verify", None)
+    monkeypatch.setattr(rewards, "math_verify", None)
     assert data.math_equal("\\frac{1}{2}", "\\dfrac{1}{2}") == (True, True)
     assert data.math_equal("27", "27.0") == (True, True)
     assert data.math_equal("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})") == (True, True)
@@ -332,7 +333,7 @@ def test_math_verify_works_off_the_main_thread():
 
 
 def test_timeout_off_the_main_thread(monkeypatch):
-    monkeypatch.setattr(data, "_mv_check", lambda g, p, t: (time.sleep(3), (True, True, True))[1])
+    monkeypatch.setattr(rewards, "_mv_check", lambda g, p, t: (time.sleep(3), (True, True, True))[1])
     box = []
     start = time.time()
     t = threading.Thread(target=lambda: box.append(data.score("\\boxed{1}", "1", "math", timeout_s=0.2)))
