@@ -19,11 +19,13 @@ How vLLM runs our pieces (public extension points only, nothing in the installed
   kernels.pack_nvfp4 layout once, and apply() calls kernels.nvfp4_linear (Triton on CUDA, the reference on CPU).
   Layers in the checkpoint's `ignore` list (and lm_head, embeddings) stay vLLM's unquantized ones.
 - AQN: vLLM's `model.layers[i].input_layernorm` (feeds qkv_proj; layer 0 calls it without a residual, the others
-  with one) and `.post_attention_layernorm` (feeds gate_up_proj; always with a residual) are reached with
-  LLM.apply_model. set_noise writes weight = clean + z (rounded to the weight's dtype) in place from a clean copy
-  kept on first use, so noise never accumulates; that is exactly ops.rms_norm's effective weight, and in-place
-  writes are also seen by vLLM's own norm kernels (and by captured graphs, unlike a replaced forward). The prefix
-  cache is reset, since its cached keys/values saw the old noise.
+  with one) and `.post_attention_layernorm` (feeds gate_up_proj; always with a residual) are NoisyNorm modules, which
+  run ops.rms_norm (our model's numerics) with weight + noise formed in fp32. They are built in by registering a
+  subclass of vLLM's model class (ModelRegistry, named through LLM's hf_overrides), so they exist before vLLM loads,
+  compiles or captures graphs. set_noise (through LLM.apply_model) writes weight = clean + z rounded to the weight's
+  dtype and an fp32 buffer with the remainder, in place, from a clean copy kept on first use: noise never accumulates,
+  captured graphs see it, and weight + remainder is exactly ops.rms_norm's fp32 effective weight (bf16 alone would
+  round away every sigma <= 7e-4). The prefix cache is reset, since its cached keys/values saw the old noise.
 - LoRA: sync_lora writes the adapter (lora.save_adapter, PEFT format) to a temp folder and registers it under a fresh
   LoRA id (vLLM caches adapters by id, so reusing one would silently keep the old weights); the base is untouched.
   With a probe it also returns the largest gap between vLLM's and the trainer's prompt log-probs (the check that
@@ -46,6 +48,7 @@ trainer (vLLM keeps its own copy), LoRA on embeddings / lm_head, stop strings.
 """
 import functools
 import gc
+import importlib
 import json
 import logging
 import os
@@ -69,7 +72,7 @@ except ImportError as e:
 versions.check("vllm")
 import torch  # noqa: E402
 from torch.nn import Parameter  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, ModelRegistry, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod  # noqa: E402
@@ -78,6 +81,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig, register
 import kernels  # noqa: E402
 import lora  # noqa: E402
 import model as M  # noqa: E402
+import ops  # noqa: E402
 import quantize  # noqa: E402
 from rollout import Sample, check_request  # noqa: E402,F401  (Sample is re-exported: one class for both engines)
 
@@ -214,19 +218,90 @@ torch.library.custom_op("nanoqerl::nvfp4_linear", _nvfp4_linear, mutates_args=()
     lambda x, words, scales, global_scale, n, k, bias: x.new_empty(*x.shape[:-1], n))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# AQN: the two noisy norms of every layer run ops.rms_norm with weight + noise formed in fp32
+
+class NoisyNorm(torch.nn.Module):
+    """Takes the place of vLLM's RMSNorm at input_layernorm / post_attention_layernorm, called as it is (norm(x) -> y,
+    norm(x, residual) -> (y, x + residual)): the same weight Parameter (loaded from the checkpoint as before) and
+    `rest`, an fp32 buffer, so that weight + rest can hold clean + z in fp32 (see set_norm_noise)."""
+
+    def __init__(self, norm):
+        super().__init__()
+        if getattr(norm, "variance_size_override", None) is not None or not isinstance(norm.weight, Parameter):
+            raise ValueError(f"{type(norm).__name__}: AQN needs a plain weighted RMSNorm over the whole hidden size")
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+        self.clean: torch.Tensor | None = None       # the checkpoint's weight, kept by the first set_norm_noise
+        self.register_buffer("rest", torch.zeros(norm.weight.shape, dtype=torch.float32, device=norm.weight.device),
+                             persistent=False)   # in place, always: captured CUDA graphs keep reading this memory
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if torch.compiler.is_compiling():              # traced by vLLM's torch.compile: the opaque ops below
+            if residual is None:
+                return torch.ops.nanoqerl.noisy_rms_norm(x, self.weight, self.rest, self.eps)
+            return torch.ops.nanoqerl.noisy_add_rms_norm(x, residual, self.weight, self.rest, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps, self.rest, residual)
+
+
+def _noisy_rms_norm(x: torch.Tensor, weight: torch.Tensor, rest: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps, rest)
+
+
+def _noisy_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, rest: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return ops.rms_norm(x, weight, eps, rest, residual)
+
+
+# opaque to torch.compile, like the GEMM: Inductor sees only the output shapes
+torch.library.custom_op("nanoqerl::noisy_rms_norm", _noisy_rms_norm, mutates_args=()).register_fake(
+    lambda x, weight, rest, eps: torch.empty_like(x))
+torch.library.custom_op("nanoqerl::noisy_add_rms_norm", _noisy_add_rms_norm, mutates_args=()).register_fake(
+    lambda x, residual, weight, rest, eps: (torch.empty_like(x), torch.empty_like(x)))
+
+VLLM_MODULES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+
+@functools.cache
+def noisy_architecture(arch: str) -> str:
+    """Register (once) vLLM's model class for `arch` with NoisyNorm at the two AQN norms of every layer, built in at
+    construction, before vLLM loads weights, compiles or captures graphs. Returns the name LLM's hf_overrides give."""
+    base = getattr(importlib.import_module(f"vllm.model_executor.models.{VLLM_MODULES[arch]}"), arch)
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        for layer in self.model.layers:
+            for name in NORMS:
+                setattr(layer, name, NoisyNorm(getattr(layer, name)))
+
+    name = "Nanoqerl" + arch
+    ModelRegistry.register_model(name, type(name, (base,), {"__init__": __init__}))
+    return name
+
+
+def set_norm_noise(norm: NoisyNorm, z: torch.Tensor | None) -> None:
+    """weight = clean + z rounded to the weight's dtype (what vLLM's own kernels would see), rest = the fp32 remainder,
+    so weight + rest is clean + z in fp32 exactly, our model's effective weight (ops.rms_norm); z None: the clean
+    weight. clean is the checkpoint's weight, kept on first use, so noise never accumulates. In place (graphs)."""
+    if not isinstance(norm, NoisyNorm):
+        raise RuntimeError(f"vLLM built its own {type(norm).__name__} here, not NoisyNorm: AQN cannot reach it")
+    if norm.clean is None:
+        norm.clean = norm.weight.detach().clone()
+    clean = norm.clean
+    if z is None:
+        norm.weight.data.copy_(clean)
+        norm.rest.zero_()
+        return
+    full = clean.float() + z.to(clean.device, torch.float32)                  # (H,) fp32: clean + z
+    norm.weight.data.copy_(full.to(clean.dtype))
+    norm.rest.copy_(full - norm.weight.float())        # exact: the two differ by less than one ulp of the weight
+
+
 def _write_noise(z: torch.Tensor | None, model) -> int:
-    """Runs on vLLM's model (LLM.apply_model): norm weight = clean + z[layer, j] in its dtype, or clean (z None)."""
-    n = 0
+    """Runs on vLLM's model (LLM.apply_model): z[layer, j] into the layer's norm NORMS[j], or the clean weights."""
     for i, layer in enumerate(model.model.layers):
         for j, name in enumerate(NORMS):
-            norm = getattr(layer, name)
-            if not hasattr(norm, "nanoqerl_clean"):
-                norm.nanoqerl_clean = norm.weight.detach().clone()   # the checkpoint's weight, kept once
-            clean = norm.nanoqerl_clean
-            w = clean if z is None else (clean.float() + z[i, j].to(clean.device)).to(clean.dtype)
-            norm.weight.data.copy_(w)
-            n += 1
-    return n
+            set_norm_noise(getattr(layer, name), None if z is None else z[i, j])
+    return 2 * len(model.model.layers)
 
 
 def trainer_prompt_logprobs(policy: M.Model, prompts: list[list[int]]) -> list[list[float]]:
@@ -271,6 +346,10 @@ class VLLMEngine:
                     logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         if qcfg:
             args["quantization"] = QUANT_NAME
+        over = kwargs.pop("hf_overrides", None) or {}   # AQN: vLLM builds the model with our two noisy norms a layer
+        if not isinstance(over, dict):
+            raise ValueError("hf_overrides must be a dict here: VLLMEngine adds its architecture override to it")
+        args["hf_overrides"] = {**over, "architectures": [noisy_architecture(raw["architectures"][0])]}
         if enable_lora:
             # decoder linears only (lora.py's targets): wrapping lm_head would also hit vLLM 0.32's LoRA logits path,
             # which fails on prompt_logprobs
