@@ -81,7 +81,7 @@ class Config:
     aqn: bool = opt(True, "adaptive quantization noise in the norms")
     sigma_start: float = opt(1e-2, "AQN sigma of the first noisy stage")
     sigma_end: float = opt(5e-4, "AQN sigma of the last stage")
-    aqn_stages: int = opt(10, "AQN stages (see noise.py; the first one has no noise)")
+    aqn_stages: int = opt(10, "AQN stages, the noise-free first one included (noise.py)")
     aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training too)")
     engine: str = opt("builtin", "rollout backend: builtin or vllm")
     grad_checkpoint: bool = opt(True, "recompute each layer in backward (less memory)")
