@@ -83,15 +83,27 @@ def tiny_model_dir(seed: int = 0) -> Path:
     out = cache / f"tiny-synthetic-{seed}"
     if (out / "config.json").exists():
         return out
+    hf = warm_up_tiny(seed)
+
+    def write(tmp: Path):
+        hf.to(torch.bfloat16).save_pretrained(tmp)
+        copy_tokenizer(tmp)
+    return publish_cached(out, write)
+
+
+def warm_up_tiny(seed: int):
+    """A tiny random Qwen2 after 60 supervised steps on the answer format with a RANDOM digit: RL must then find
+    which digit pays."""
     from transformers import AutoTokenizer
     hf = build_tiny_hf("qwen2", seed=seed).train()
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     rng, opt_ = random.Random(seed), torch.optim.AdamW(hf.parameters(), lr=1e-2)
     rows = data.synthetic_rows(256, seed)
-    for _ in range(60):  # the answer format with a RANDOM digit: RL must then find which digit pays
+    for _ in range(60):
         batch = rng.sample(rows, 16)
         seqs = [(data.prompt_token_ids(tok, r["question"]),
-                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"]) for r in batch]
+                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"])
+                for r in batch]
         L = max(len(p) + len(c) for p, c in seqs)
         ids = torch.zeros(len(seqs), L, dtype=torch.long)
         labels = torch.full((len(seqs), L), -100)
@@ -105,16 +117,22 @@ def tiny_model_dir(seed: int = 0) -> Path:
         opt_.zero_grad()
         loss.backward()
         opt_.step()
-    if (out / "config.json").exists():  # another process built it during our warm-up
+    return hf
+
+
+def publish_cached(out: Path, write) -> Path:
+    """Put a cache entry at `out` in one step: write(tmp) fills a temporary beside `out` (never in $TMPDIR, which may
+    be another filesystem), then one rename. Another process that published the same entry first wins; any other
+    failure is one RuntimeError that says where and what to do."""
+    if (out / "config.json").exists():  # another process built it meanwhile
         return out
     if out.exists():  # a folder without config.json is not one of ours (ours appear whole, by one rename)
         raise RuntimeError(f"{out} exists but holds no config.json: remove it and run again (it is rebuilt)")
     try:
-        with fsutil.atomic_dir(out) as tmp:  # the temporary sits beside `out`: the rename stays on one filesystem
-            hf.to(torch.bfloat16).save_pretrained(tmp)
-            copy_tokenizer(tmp)
+        with fsutil.atomic_dir(out) as tmp:
+            write(tmp)
     except OSError as e:
-        if (out / "config.json").exists():  # another process built the same model (same seed) first: use theirs
+        if (out / "config.json").exists():  # the rename lost a race to a finished build of the same entry: use it
             return out
         raise RuntimeError(f"could not write the built-in tiny model to {out}: {e}; make {out.parent} writable or "
                            f"set NANOQERL_CACHE to a writable folder") from e
