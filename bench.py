@@ -23,8 +23,11 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+import fsutil
 
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 SHAPES_32B = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)}
@@ -490,8 +493,7 @@ def main(argv=None):
         if part in parts:
             run(out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        fsutil.atomic_write_text(Path(args.json), json.dumps(out, indent=1))
     return 0
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+import fsutil
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # rollout_vllm runs vLLM in this process
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,17 +58,14 @@ def write_folder(path: Path, shape: dict, dev: str) -> Path:
         sd.update({k: t.cpu() for k, t in q.items()})
         sd.update({p + f"self_attn.{n}_proj.bias": torch.zeros(r, dtype=torch.bfloat16) for n, r in rows.items()})
         sd.update({p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone()})
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6,
                rope_theta=1e6, max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645,
                torch_dtype="bfloat16", quantization_config=quantize.QUANTIZATION_CONFIG, **shape)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in tiny.TOKENIZER_DIR.iterdir():
-        shutil.copy(f, tmp / f.name)
-    tmp.rename(path)
+    with fsutil.atomic_dir(path) as tmp:  # an existing --dir without config.json is not ours: FileExistsError
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for f in tiny.TOKENIZER_DIR.iterdir():
+            shutil.copy(f, tmp / f.name)
     return path
 
 

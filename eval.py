@@ -24,6 +24,7 @@ versions.check()
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import fsutil  # noqa: E402
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -74,13 +75,10 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
                "mean_length": sum(r["length"] for r in records) / len(records),
                "truncated_rate": sum(r["finish_reason"] == "length" for r in records) / len(records),
                "seconds": time.time() - t0}
-    if out_dir:
+    if out_dir:  # each file appears whole or not at all (a temporary beside it, then a rename)
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "samples.jsonl", "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        fsutil.atomic_write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        fsutil.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

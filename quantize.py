@@ -23,11 +23,9 @@ amax), MoE experts and vision towers.
 import argparse
 import json
 import math
-import os
 import shutil
 import struct
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +33,8 @@ import versions
 
 versions.check()
 import torch  # noqa: E402
+
+import fsutil  # noqa: E402
 
 SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -393,6 +393,15 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
 
     model_dir = resolve_model_dir(model)
     out = Path(out) if out else Path(model_dir.name.rstrip("/") + "-NVFP4")
+    real_in, real_out = model_dir.resolve(), out.resolve()  # symlinks and ./.. spellings resolved
+    if real_out == real_in:  # with --overwrite the swap would delete the checkpoint being quantized
+        raise QuantizeError(f"--out {out} is the --model folder {model_dir}: that would replace the original "
+                            f"checkpoint; choose another --out (the default is ./{model_dir.name}-NVFP4)")
+    if real_in in real_out.parents:
+        raise QuantizeError(f"--out {out} is inside the --model folder {model_dir}: choose an --out outside it")
+    if real_out in real_in.parents:
+        raise QuantizeError(f"--model {model_dir} is inside --out {out}: replacing --out would delete it; "
+                            "choose another --out")
     if out.exists() and not overwrite:
         raise QuantizeError(f"--out {out} already exists: pass --overwrite to replace it, or choose another --out")
     cfg_path = model_dir / "config.json"
@@ -409,9 +418,7 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
     outs, ignore = plan_outputs(tensors)
     t0 = time.time()
     elems = sum(math.prod(m["shape"] or [1]) for _, m, _ in tensors.values())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with fsutil.atomic_dir(out, replace=overwrite) as tmp:  # beside --out; on any error (Ctrl-C too) removed
         with tqdm(total=elems, desc="scan", unit="w", unit_scale=True, disable=not progress) as bar:
             amax = scan(tensors, device, chunk_mb, bar)
         with tqdm(total=elems, desc="quantize", unit="w", unit_scale=True, disable=not progress) as bar:
@@ -424,16 +431,6 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
         for f in model_dir.iterdir():  # tokenizer, generation config, chat template, licenses...
             if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(f, tmp / f.name)
-        if out.exists():  # --overwrite: swap in the new folder, then drop the old one
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     bytes_in = sum(math.prod(m["shape"] or [1]) * torch.tensor([], dtype=DTYPES[m["dtype"]]).element_size()
                    for _, m, _ in tensors.values())
     bytes_out = sum(f.stat().st_size for f in out.glob("*.safetensors"))

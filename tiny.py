@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import versions
@@ -22,6 +21,7 @@ versions.check()
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import fsutil  # noqa: E402
 
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tests" / "assets" / "qwen2.5-tokenizer"
@@ -79,18 +79,31 @@ def copy_tokenizer(path: Path) -> None:
 
 def tiny_model_dir(seed: int = 0) -> Path:
     """train.py's built-in model: a tiny Qwen2 warmed up on the answer format, built once and cached (atomically)."""
-    out = Path(os.environ.get("NANOQERL_CACHE", Path(__file__).resolve().parent / "runs" / ".cache")) / f"tiny-synthetic-{seed}"
+    cache = Path(os.environ.get("NANOQERL_CACHE", Path(__file__).resolve().parent / "runs" / ".cache"))
+    out = cache / f"tiny-synthetic-{seed}"
     if (out / "config.json").exists():
         return out
+    hf = warm_up_tiny(seed)
+
+    def write(tmp: Path):
+        hf.to(torch.bfloat16).save_pretrained(tmp)
+        copy_tokenizer(tmp)
+    return publish_cached(out, write)
+
+
+def warm_up_tiny(seed: int):
+    """A tiny random Qwen2 after 60 supervised steps on the answer format with a RANDOM digit: RL must then find
+    which digit pays."""
     from transformers import AutoTokenizer
     hf = build_tiny_hf("qwen2", seed=seed).train()
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     rng, opt_ = random.Random(seed), torch.optim.AdamW(hf.parameters(), lr=1e-2)
     rows = data.synthetic_rows(256, seed)
-    for _ in range(60):  # the answer format with a RANDOM digit: RL must then find which digit pays
+    for _ in range(60):
         batch = rng.sample(rows, 16)
         seqs = [(data.prompt_token_ids(tok, r["question"]),
-                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"]) for r in batch]
+                 tok(f"\\boxed{{{rng.randint(0, 9)}}}<|im_end|>", add_special_tokens=False)["input_ids"])
+                for r in batch]
         L = max(len(p) + len(c) for p, c in seqs)
         ids = torch.zeros(len(seqs), L, dtype=torch.long)
         labels = torch.full((len(seqs), L), -100)
@@ -104,14 +117,25 @@ def tiny_model_dir(seed: int = 0) -> Path:
         opt_.zero_grad()
         loss.backward()
         opt_.step()
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent if out.parent.exists() else None))
-    hf.to(torch.bfloat16).save_pretrained(tmp)
-    copy_tokenizer(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    return hf
+
+
+def publish_cached(out: Path, write) -> Path:
+    """Put a cache entry at `out` in one step: write(tmp) fills a temporary beside `out` (never in $TMPDIR, which may
+    be another filesystem), then one rename. Another process that published the same entry first wins; any other
+    failure is one RuntimeError that says where and what to do."""
+    if (out / "config.json").exists():  # another process built it meanwhile
+        return out
+    if out.exists():  # a folder without config.json is not one of ours (ours appear whole, by one rename)
+        raise RuntimeError(f"{out} exists but holds no config.json: remove it and run again (it is rebuilt)")
     try:
-        tmp.rename(out)
-    except OSError:  # built concurrently by another process: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
+        with fsutil.atomic_dir(out) as tmp:
+            write(tmp)
+    except OSError as e:
+        if (out / "config.json").exists():  # the rename lost a race to a finished build of the same entry: use it
+            return out
+        raise RuntimeError(f"could not write the built-in tiny model to {out}: {e}; make {out.parent} writable or "
+                           f"set NANOQERL_CACHE to a writable folder") from e
     return out
 
 
@@ -126,7 +150,8 @@ def main(argv=None):
     if out.exists() and any(out.iterdir()):
         print(f"error: {out} exists and is not empty: choose another folder", file=sys.stderr)
         return 2
-    save_tiny_checkpoint(out, args.arch, seed=args.seed)
+    with fsutil.atomic_dir(out, replace=out.exists()) as tmp:  # an interrupted run leaves no half-written folder
+        save_tiny_checkpoint(tmp, args.arch, seed=args.seed)   # (an existing empty folder is swapped out)
     print(f"wrote a tiny random {args.arch} checkpoint to {out}")
     return 0
 

