@@ -42,13 +42,13 @@ def atomic_dir(target: Path, replace: bool = False):
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a run folder should read like any other
         yield tmp
-        if target.exists():  # replace=True: swap, then drop the old folder
+        if replace and target.exists():  # swap, then drop the old folder
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}old-", dir=target.parent))
             os.rmdir(old)  # only its unique name is wanted
             target.rename(old)
             tmp.rename(target)
             shutil.rmtree(old, ignore_errors=True)
-        else:
+        else:  # a target made meanwhile by someone else makes this rename fail: theirs is never deleted
             tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

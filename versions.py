@@ -63,12 +63,27 @@ def setup_hint(name: str) -> str:
 def check(*names: str) -> None:
     """Raise ImportError naming the package, the pin and the fix if an installed version is off.
 
-    With no names, checks the core dependencies that every stage needs.
+    With no names, checks the core dependencies that every stage needs. Called at the top of a script that is
+    being run (`python3 train.py` outside the environment), it prints the message as one line and exits with
+    code 2 instead: a traceback around it would only hide the fix.
     """
+    try:
+        _check(*names)
+    except ImportError as e:
+        if sys._getframe(1).f_globals.get("__name__") != "__main__":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check(*names: str) -> None:
     if os.environ.get("NANOQERL_SKIP_VERSION_CHECK") == "1" or not _PYPROJECT.exists():
         return
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
+    try:  # packaging comes with pip's environments, not always with a bare system Python
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import Version
+    except ImportError:
+        raise ImportError(f"nanoqerl needs its pinned environment: {setup_hint('packaging')}") from None
 
     reqs = _requirements()
     names = names or ("torch", "transformers", "safetensors", "tokenizers", "numpy")

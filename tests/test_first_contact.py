@@ -243,3 +243,12 @@ def test_version_message_inside_the_venv_says_run_setup_again(monkeypatch):
     monkeypatch.setattr(versions.sys, "prefix", str(ROOT / ".venv"))
     with pytest.raises(ImportError, match=r"this is \.venv/bin/python: run \./setup\.sh again"):
         versions.check("transformers")
+
+
+def test_outside_the_environment_is_one_line_naming_setup(tmp_path):
+    # -S: no site-packages, as a bare system python3 without the project's packages
+    r = subprocess.run([sys.executable, "-S", str(ROOT / "train.py"), "--help"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert "./setup.sh" in lines[0] and ".venv/bin/python" in lines[0]

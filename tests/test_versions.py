@@ -32,6 +32,7 @@ def test_out_of_range_names_package_pin_and_fix(monkeypatch):
 
 def test_missing_package_says_how_to_install(monkeypatch):
     fake_installed(monkeypatch, {})
+    monkeypatch.setattr(versions.sys, "prefix", "/usr")  # a Python outside the project's .venv
     with pytest.raises(ImportError, match=r"peft>=0.21,<0.22 .* not installed: run \./setup\.sh, .*`pip install 'peft"):
         versions.check("peft")
 
