@@ -115,8 +115,9 @@ def check_train_flags(extra: list[str], arms: list[str], lrs: list[float]) -> No
                    "(python train.py --help)")
     for name in sorted(set(vars(given)) & set(CONTROLLED)):
         raise Stop(f"--{name.replace('_', '-')} is set by this script for each run: use {CONTROLLED[name]}")
-    if getattr(given, "tis_cap", None) == 0:
-        raise Stop("--tis-cap 0 turns the correction off in every arm; the arm nvfp4_aqn_notis is the one without it")
+    if getattr(given, "tis_cap", 1.0) <= 0:
+        raise Stop("--tis-cap <= 0 turns the correction off in every arm; the arm nvfp4_aqn_notis is the one "
+                   "without it")
     for arm in arms:
         try:
             tc.check_config(tc.parse_args(extra + ARMS[arm][1] + ["--lr", str(lrs[0])])[0])

@@ -226,6 +226,9 @@ def aggregate(runs: dict, arms, lrs, seeds) -> dict:
                                for k in ("reward", "accuracy", "entropy")}
                 g["evals"] = {s: mean_ci([x["evals"][s] for x in ss])
                               for s in sorted(set.intersection(*[set(x["evals"]) for x in ss]))}
+                at = sorted(set.intersection(*[set(map(int, x["pass_at_k"])) for x in ss]))  # steps every seed has
+                g["pass_at_k"] = {s: {k: mean_ci([x["pass_at_k"][str(s)].get(k) for x in ss])
+                                      for k in ss[0]["pass_at_k"][str(s)] if not k.endswith("ci95")} for s in at}
             groups[f"{arm}@{lr:g}"] = g
     return groups
 
@@ -251,40 +254,46 @@ def ci_text(c: dict, digits: int = 3) -> str:
 
 
 def figure(groups: dict, labels: dict, lr: float) -> bytes:
-    """One lr's PNG: reward, sampled accuracy, held-out greedy accuracy and entropy of every arm (arm -> label)."""
+    """One lr's PNG of every arm (labels: arm -> label): the training curves with bands, and the held-out
+    evaluations (greedy accuracy, pass@1 and the largest pass@k) as markers with bars at the steps they were made."""
     import io
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    panels = [("reward", "reward (training batch)"), ("accuracy", "sampled accuracy (training prompts, T = 1)"),
-              ("evals", "held-out greedy accuracy"), ("entropy", "entropy of the sampled tokens (nats)")]
+    gs = {arm: groups[f"{arm}@{lr:g}"] for arm in labels}
+    k = max((int(k[5:]) for g in gs.values() for p in g.get("pass_at_k", {}).values() for k in p), default=1)
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8))
+    panels = [("reward", "reward (training batch)"), ("accuracy", "sampled accuracy (training prompts)"),
+              ("entropy", "entropy of the sampled tokens (nats)"), ("evals", "held-out greedy accuracy"),
+              ("pass@1", "held-out pass@1 (sampled)"), (f"pass@{k}", f"held-out pass@{k}")]
     for ax, (key, title) in zip(axes.flat, panels):
         for i, (arm, label) in enumerate(labels.items()):
-            g = groups[f"{arm}@{lr:g}"]
+            g = gs[arm]
             if not g["seeds"]:
                 continue
             kw = dict(color=f"C{i}", label=f"{label} (n={len(g['seeds'])})")
-            if key == "evals":  # markers only: a line between two evaluations suggests what was never measured
-                xs = sorted(g["evals"])
-                m, lo, hi = ([g["evals"][s][k] for s in xs] for k in ("mean", "lo", "hi"))
-                err = [[y - a if math.isfinite(a) else 0 for y, a in zip(m, lo)],
-                       [b - y if math.isfinite(b) else 0 for y, b in zip(m, hi)]]
-                xs = [x + 0.012 * max(xs[-1], 1) * (i - 2) for x in xs]  # the arms' markers side by side
-                ax.errorbar(xs, m, yerr=err, fmt="o", capsize=3, **kw)
-            else:
+            if key in g["curves"]:
                 mean, lo, hi = g["curves"][key]
                 ax.plot(range(len(mean)), mean, linewidth=1.3, **kw)
                 ax.fill_between(range(len(mean)), lo, hi, color=kw["color"], alpha=0.15, linewidth=0)
+                continue
+            # markers only: a line between two evaluations would suggest what was never measured
+            pts = g["evals"] if key == "evals" else {s: p[key] for s, p in g["pass_at_k"].items() if key in p}
+            xs = sorted(pts)
+            m, lo, hi = ([pts[s][q] for s in xs] for q in ("mean", "lo", "hi"))
+            err = [[y - a if math.isfinite(a) else 0 for y, a in zip(m, lo)],
+                   [b - y if math.isfinite(b) else 0 for y, b in zip(m, hi)]]
+            xs = [x + 0.012 * max(xs[-1] if xs else 1, 1) * (i - 2) for x in xs]  # the arms side by side
+            ax.errorbar(xs, m, yerr=err, fmt="o", capsize=3, **kw)
         ax.set(title=title, xlabel="RL step (updates made)")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"lr {lr:g}: mean over seeds; bands and bars: 95% t-interval")
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
     return buf.getvalue()
 
