@@ -50,6 +50,8 @@ ARMS = {"bf16": ("bf16 + LoRA", ["--base", "bf16", "--no-aqn"]),
 CONTROLLED = {"base": "--arms", "aqn": "--arms", "lr": "--lrs", "seed": "--seeds", "out": "this script's --out",
               "device": "--gpus (0 = CPU)", "resume": "a rerun of the same command", "plot": "--report-only"}
 POST_KEYS = ("pass_k_n", "pass_temperature", "entropy_samples")
+# defaults of the flags that, left out, keep the experiment's saved value (so a rerun needs no flag repeated)
+DEFAULTS = dict(threshold_greedy=0.5, threshold_sampled=0.3, pass_k_n=8, pass_temperature=1.0, entropy_samples=4)
 
 
 class Stop(Exception):
@@ -66,16 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one; 0 = CPU)")
     ap.add_argument("--procs-per-gpu", type=int, default=1, help="runs at once on each GPU, or on the CPU with "
                                                                  "--gpus 0 (default: 1)")
-    ap.add_argument("--threshold-greedy", type=float, default=0.5, help="held-out greedy accuracy whose first "
-                                                                        "evaluation step is reported (default: 0.5)")
-    ap.add_argument("--threshold-sampled", type=float, default=0.3, help="sampled accuracy (trailing mean of "
-                    f"{stats.WINDOW} steps) whose first step is reported (default: 0.3)")
-    ap.add_argument("--pass-k-n", type=int, default=8, help="samples per held-out prompt for pass@k (k = 1, 2, 4, "
-                                                            "... <= n) at step 0 and every checkpoint (default: 8)")
-    ap.add_argument("--pass-temperature", type=float, default=1.0, help="sampling temperature of pass@k "
-                                                                        "(default: 1.0)")
-    ap.add_argument("--entropy-samples", type=int, default=4, help="completions per held-out prompt in the entropy "
-                                                                   "probe (default: 4)")
+    ap.add_argument("--threshold-greedy", type=float, help="held-out greedy accuracy whose first evaluation step "
+                                                           "is reported (default: 0.5, or the saved)")
+    ap.add_argument("--threshold-sampled", type=float, help=f"sampled accuracy (a trailing mean of {stats.WINDOW} "
+                                                            "steps) whose first step is reported (default: 0.3, or "
+                                                            "the saved)")
+    ap.add_argument("--pass-k-n", type=int, help="samples per held-out prompt for pass@k (k = 1, 2, 4, ... <= n) at "
+                                                 "step 0 and every checkpoint (default: 8, or the saved)")
+    ap.add_argument("--pass-temperature", type=float, help="sampling temperature of pass@k (default: 1.0, or the "
+                                                           "saved)")
+    ap.add_argument("--entropy-samples", type=int, help="completions per held-out prompt in the entropy probe "
+                                                        "(default: 4, or the saved)")
     ap.add_argument("--restart-partial", action="store_true", help="start partial runs again, not resume them")
     ap.add_argument("--report-only", action="store_true", help="launch nothing; redo the report from the runs")
     ap.add_argument("--dry-run", action="store_true", help="print each run's state and command; launch nothing")
@@ -379,11 +382,12 @@ def report(exp: Path, cfg: dict) -> dict:
 # The driver
 
 def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
-    """The flat config (checked; grid flags left out come from the saved config) and the worker slots."""
+    """The flat config (checked; train.py flags and grid flags left out come from the saved config) and the worker
+    slots."""
     saved = load_json(exp / "config.json", None)
     if args.report_only and saved is None:
         raise Stop(f"{exp} holds no experiment (no config.json): pass the folder a run of this script made")
-    flags = saved["train_flags"] if saved and args.report_only and not extra else extra
+    flags = saved["train_flags"] if saved and not extra else extra  # none given: the saved ones
     if saved and flags != saved["train_flags"] and any((exp / "runs").glob("*/metrics.jsonl")):
         raise Stop(f"{exp} was made with the train.py flags `{' '.join(saved['train_flags'])}`, this command passes "
                    f"`{' '.join(flags)}`: pass the same ones, or another --out")
@@ -394,10 +398,12 @@ def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
     if args.lrs is None and saved is None:
         raise Stop("--lrs is needed for a new experiment, e.g. --lrs 5e-4,5e-3 (two, one 10x the other)")
     lrs = parse_list(args.lrs, "--lrs", float) if args.lrs else saved["lrs"]
-    for name in ("procs_per_gpu", "pass_k_n", "entropy_samples"):
-        if getattr(args, name) < 1:
-            raise Stop(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not (0 <= args.threshold_greedy <= 1 and 0 <= args.threshold_sampled <= 1) or args.pass_temperature <= 0:
+    v = {k: getattr(args, k) if getattr(args, k) is not None else (saved or {}).get(k, d) for k, d in DEFAULTS.items()}
+    for name, value in (("procs_per_gpu", args.procs_per_gpu), ("pass_k_n", v["pass_k_n"]),
+                        ("entropy_samples", v["entropy_samples"])):
+        if value < 1:
+            raise Stop(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not (0 <= v["threshold_greedy"] <= 1 and 0 <= v["threshold_sampled"] <= 1) or v["pass_temperature"] <= 0:
         raise Stop("the thresholds are accuracies in [0, 1], and --pass-temperature must be > 0")
     import torch
 
@@ -405,11 +411,9 @@ def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
     gpus = visible if args.gpus is None else args.gpus
     if not 0 <= gpus <= visible:
         raise Stop(f"--gpus {gpus}: torch sees {visible} CUDA device(s) here; pass at most {visible}, or 0 for the CPU")
-    cfg = dict(out=str(exp), arms=arms, seeds=seeds, lrs=lrs, gpus=gpus, procs_per_gpu=args.procs_per_gpu,
-               threshold_greedy=args.threshold_greedy, threshold_sampled=args.threshold_sampled,
-               pass_k_n=args.pass_k_n, pass_temperature=args.pass_temperature, entropy_samples=args.entropy_samples,
+    cfg = dict(out=str(exp), arms=arms, seeds=seeds, lrs=lrs, gpus=gpus, procs_per_gpu=args.procs_per_gpu, **v,
                restart_partial=args.restart_partial, train_flags=flags)
-    if args.report_only:  # how the runs were made and evaluated stays as saved
+    if args.report_only:  # the runs' devices and evaluations stay as saved
         return cfg | {k: saved[k] for k in POST_KEYS + ("gpus", "procs_per_gpu")}, []
     check_train_flags(flags, arms, lrs)
     ids = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(visible)))).split(",")

@@ -289,7 +289,8 @@ def figure(groups: dict, labels: dict, lr: float) -> bytes:
             ax.errorbar(xs, m, yerr=err, fmt="o", capsize=3, **kw)
         ax.set(title=title, xlabel="RL step (updates made)")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    if axes.flat[0].get_legend_handles_labels()[0]:  # no finished run yet: no legend
+        axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"lr {lr:g}: mean over seeds; bands and bars: 95% t-interval")
     fig.tight_layout()
     buf = io.BytesIO()
