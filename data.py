@@ -36,6 +36,8 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 
+import arith
+
 try:
     import math_verify
     from sympy import Basic
@@ -76,6 +78,9 @@ TASKS: dict[str, dict] = {
     "synthetic_mod10": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
                             split=None),
 }
+# The generated column-addition task (arith.py): "arith" is the train side of its hash split, "arith_test" the held-out
+TASKS.update({name: dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k", split=split)
+              for name, split in arith.TASKS.items()})
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_SYSTEM_PROMPT = (
@@ -165,6 +170,8 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
     if task.startswith("synthetic"):  # generated; `path` is not used
         source = task
         raw = synthetic_rows(limit if limit is not None else 1000, seed or 0, {"synthetic": "lucky"}.get(task, task[10:]))
+    elif task in arith.TASKS:  # generated; `path` is not used
+        source, raw = task, arith.task_rows(task, limit, seed)
     else:
         source = path or spec["path"]
         if source is None:
