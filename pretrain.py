@@ -1,11 +1,11 @@
-"""pretrain.py: a small Qwen2 trained from scratch on worked column additions, the starting point of RL.
+"""pretrain.py: a small Qwen3 trained from scratch on worked column additions, the starting point of RL.
 
     python pretrain.py --preset cpu --out models/arith-cpu          # the shipped model (2 CPU cores, minutes)
     python pretrain.py --preset gpu --out runs/arith-gpu            # the QeRL ablation's testbed (one GPU, >= 20M)
     python pretrain.py --preset cpu --out /tmp/x --steps 50         # any flag overrides the preset
 
 What it does: builds a tokenizer of its own (BPE over printable ASCII with every digit a token of its own; a
-character outside the alphabet is an error, never a silent <unk>), trains a randomly initialised Qwen2 on chat-
+character outside the alphabet is an error, never a silent <unk>), trains a randomly initialised Qwen3 on chat-
 formatted worked solutions of arith.py's column additions (loss on the assistant turn only), measures greedy and
 sampled (temperature 1) accuracy on held-out prompts with a strict checker (a complete closed \\boxed{...} holding
 exactly the gold), and writes a standard Hugging Face folder in one atomic rename: config.json, model.safetensors
@@ -73,7 +73,7 @@ class Config:
     num_kv_heads: int = opt(None, "key/value heads (divides num_heads)")
     digits: int = opt(arith.DEFAULT_DIGITS, "digits of each operand, the difficulty knob (train.py's arith task: 4)")
     slip: float = opt(0.6, "probability that a corpus solution forgets an owed carry (the RL headroom)")
-    qat_from: float = opt(0.5, "from this fraction of the steps on, train through the NVFP4 weights the RL base will "
+    qat_from: float = opt(0.75, "from this fraction of the steps on, train through the NVFP4 weights the RL base will "
                                "use (straight-through); 1 = never")
     vocab_target: int = opt(256, "BPE vocabulary size to aim at (digits stay single tokens whatever it is)")
     eval_every: int = opt(None, "evaluate held-out accuracy every N steps (0 = only at the end)")
@@ -85,7 +85,7 @@ class Config:
 
 
 PRESETS = {
-    "cpu": dict(steps=900, batch_size=32, lr=3e-3, warmup_steps=50, hidden_size=128, intermediate_size=384,
+    "cpu": dict(steps=1200, batch_size=32, lr=3e-3, warmup_steps=50, hidden_size=128, intermediate_size=384,
                 num_layers=4, num_heads=4, num_kv_heads=2, eval_every=100, eval_prompts=64, final_prompts=256),
     "gpu": dict(steps=3000, batch_size=256, lr=1e-3, warmup_steps=200, hidden_size=512, intermediate_size=1536,
                 num_layers=8, num_heads=8, num_kv_heads=4, eval_every=500, eval_prompts=256, final_prompts=1024),
@@ -93,7 +93,7 @@ PRESETS = {
 
 
 def parse_args(argv=None) -> Config:
-    ap = argparse.ArgumentParser(description="Pretrain a small Qwen2 on worked column additions (arith.py) from "
+    ap = argparse.ArgumentParser(description="Pretrain a small Qwen3 on worked column additions (arith.py) from "
                                              "scratch and write a Hugging Face folder. Flags left out take the "
                                              "preset's value.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
@@ -209,18 +209,22 @@ def make_batch(tok, rng: random.Random, cfg: Config, prompt_cache: dict, split: 
 
 
 def build_model(cfg: Config, tok):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random Qwen3 (q/k norms, no q/k/v bias), tied embeddings. Why not Qwen2: transformers 5 loads any "qwen2"
+    folder's tokenizer as Qwen2Tokenizer, which rebuilds a byte-level pipeline over our vocabulary and silently drops
+    characters it cannot encode; for "qwen3" it honours the saved tokenizer.json as it is."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     vocab = -(-len(tok) // 16) * 16  # a multiple of 16 (kernel-friendly); the extra rows are never produced
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
-    hf_cfg = Qwen2Config(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+    hf_cfg = Qwen3Config(vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                         num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_heads,
+                         max_position_embeddings=1024, rms_norm_eps=1e-6, attention_bias=False,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True,
                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
                          pad_token_id=ids["<|endoftext|>"])
     torch.manual_seed(cfg.seed)
-    return Qwen2ForCausalLM(hf_cfg)
+    return Qwen3ForCausalLM(hf_cfg)
 
 
 @torch.no_grad()
@@ -331,13 +335,12 @@ def save(model, tok, cfg: Config, recipe: dict) -> Path:
     out = Path(cfg.out)
     with fsutil.atomic_dir(out) as tmp:
         model.to(torch.bfloat16).save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        cfg_json = json.loads((tmp / "tokenizer_config.json").read_text())
-        cfg_json["tokenizer_class"] = "PreTrainedTokenizerFast"  # the class name older transformers (and vLLM) know
-        (tmp / "tokenizer_config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
+        tok.save_pretrained(tmp)  # tokenizer_class "TokenizersBackend": the tokenizer.json is loaded as it is
         ids = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         GenerationConfig(eos_token_id=ids, pad_token_id=ids[1], bos_token_id=ids[1], do_sample=True, temperature=1.0,
                          top_p=1.0).save_pretrained(tmp)  # eos lists the end of turn first
+        for p in tmp.iterdir():
+            os.chmod(p, 0o666 & ~fsutil._umask())  # save_pretrained may write 0600 files; make them read like any other
         recipe["sha256"] = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / "recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
     return out

@@ -89,6 +89,7 @@ def test_shipped_sha256_and_recipe():
 
 
 def test_shipped_tokenizer_chat_template_and_stops(tok):
+    assert type(tok).__name__ == "TokenizersBackend"  # our tokenizer.json as saved, not a rebuilt byte-level one
     ids = data.prompt_token_ids(tok, "What is 4738+2591?")
     assert tok.decode(ids) == pretrain.chat_text("What is 4738+2591?")
     assert tok.convert_ids_to_tokens(ids[-3:]) == ["<|im_start|>", "assistant", "\n"]
@@ -165,20 +166,21 @@ def test_shipped_adapter_loads_in_peft(tmp_path, tok):
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain.py runs
 
-TINY = ["--hidden-size", "64", "--intermediate-size", "128", "--num-layers", "2", "--num-heads", "2",
-        "--num-kv-heads", "1", "--digits", "2", "--slip", "0", "--batch-size", "32", "--lr", "1e-2",
-        "--warmup-steps", "10", "--eval-prompts", "32", "--final-prompts", "64", "--max-new-tokens", "32",
-        "--threads", "1"]
+# two-digit sums, no slips, a 0.3M-parameter model: learns the procedure in about 250 steps (~30 s of one core)
+TINY = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2", "--num-heads", "4",
+        "--num-kv-heads", "2", "--digits", "2", "--slip", "0", "--batch-size", "32", "--lr", "5e-3",
+        "--warmup-steps", "20", "--eval-prompts", "32", "--final-prompts", "32", "--max-new-tokens", "32",
+        "--threads", "1", "--qat-from", "0.8"]
 
 
 def test_pretrain_learns(tmp_path):
     out = tmp_path / "tiny"
-    assert pretrain.main(["--preset", "cpu", "--out", str(out), "--steps", "150", "--eval-every", "50"] + TINY) == 0
+    assert pretrain.main(TINY + ["--out", str(out), "--steps", "250", "--eval-every", "1000"]) == 0  # evals: 0, end
     recipe = json.loads((out / "recipe.json").read_text())
     first, m = recipe["history"][0], recipe["metrics"]
-    assert first["step"] == 0 and first["greedy"] == 0.0
-    assert m["heldout_loss"] < 0.5 * first["heldout_loss"]
-    assert m["greedy_accuracy"] >= 0.3, recipe["history"]
+    assert first["step"] == 0 and first["greedy"] == 0.0 and first["heldout_loss"] > 4.0  # about ln(vocab) at init
+    assert m["heldout_loss"] < 0.1 * first["heldout_loss"]
+    assert m["greedy_accuracy"] >= 0.3 and m["nvfp4_greedy_accuracy"] >= 0.3, m
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(recipe["sha256"])
 
 
@@ -194,6 +196,17 @@ def test_bad_input(tmp_path, capsys, args, msg):
     assert pretrain.main(args + out) == 2
     assert msg in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written, not even a temporary
+
+
+def test_gpu_preset_runs_at_a_tiny_scale(tmp_path):
+    """The gpu preset's model (>= 20M parameters) builds and trains; only the step count and batch are cut here."""
+    out = tmp_path / "gpu"
+    assert pretrain.main(["--preset", "gpu", "--out", str(out), "--steps", "2", "--batch-size", "4", "--eval-every", "0",
+                          "--final-prompts", "2", "--max-new-tokens", "4", "--threads", "1"]) == 0
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["metrics"]["parameters"] >= 20_000_000 and recipe["config"]["hidden_size"] == 512
+    config = json.loads((out / "config.json").read_text())
+    assert config["head_dim"] in pretrain.HEAD_DIMS and config["intermediate_size"] % 16 == 0
 
 
 def test_existing_output_folder_is_refused_and_untouched(tmp_path, capsys):
