@@ -367,10 +367,24 @@ def evaluate(cfg, model, engine, tok, rows, stops, run, step) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # The run
 
-# Defaults that depend on the model: QeRL's 7B recipe, or what lets RL show on the tiny model within
-# minutes on a CPU. Each applies only where the flag was left out.
-REAL_DEFAULTS = dict(steps=500, lr=1e-5, lora_rank=32, lora_alpha=64.0, format_weight=0.0)
-SMALL_DEFAULTS = dict(steps=40, lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2)
+# Defaults that depend on the model; each applies only where the flag was left out. The shipped small model
+# (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy accuracy from ~0.16 within
+# minutes on a CPU. The tiny random model: the lucky-digit plumbing task. Anything else: QeRL's GSM8K recipe.
+SHIPPED = Path(__file__).resolve().parent / "models" / "arith-cpu"
+ARITH_DEFAULTS = dict(task="arith", eval_task="arith_test", steps=40, max_new_tokens=80, lr=2e-3,
+                      lora_rank=8, lora_alpha=16.0, format_weight=0.1, eval_every=10)
+TINY_DEFAULTS = dict(task="synthetic", steps=40, max_new_tokens=8, lr=5e-3, lora_rank=8,
+                     lora_alpha=16.0, format_weight=0.2, eval_every=0)
+REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", steps=500, max_new_tokens=1024, lr=1e-5,
+                     lora_rank=32, lora_alpha=64.0, format_weight=0.0, eval_every=50)
+
+
+def model_defaults(model: str) -> dict:
+    if model == "tiny":
+        return TINY_DEFAULTS
+    if Path(model).exists() and Path(model).resolve() == SHIPPED:
+        return ARITH_DEFAULTS
+    return REAL_DEFAULTS
 
 
 def start_run(cfg: Config, run: Path | None, model, opt_) -> tuple[Path, int]:
@@ -409,7 +423,7 @@ def main(argv=None):
         return 0
     try:
         cfg, run = resolve_config(cfg, args, given)
-        for name, value in (SMALL_DEFAULTS if cfg.model == "tiny" else REAL_DEFAULTS).items():
+        for name, value in model_defaults(cfg.model).items():
             if getattr(cfg, name) is None:
                 setattr(cfg, name, value)
         p = check_config(cfg)

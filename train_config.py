@@ -35,20 +35,22 @@ SCHEDULES = ("constant", "linear", "cosine")
 class Config:
     """Every flag of train.py (see --help); None = the preset's or the model's default."""
     algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (grpo.PRESETS); the flags below override it")
-    model: str = opt("tiny", "HF folder or hub id; 'tiny' = the built-in warm-started tiny Qwen2")
+    model: str = opt("models/arith-cpu", "HF folder or hub id: the shipped small model (pretrain.py), "
+                                         "'tiny' (a random tiny Qwen2, for plumbing tests) or a real one")
     base: str = opt("nvfp4", "base precision: nvfp4 (a bf16 checkpoint is quantized while loading) "
                              "or bf16")
-    task: str = opt("synthetic", f"training data: {', '.join(data.TASKS)}")
+    task: str = opt(None, f"training data: {', '.join(data.TASKS)} (default: the model's, see "
+                          "train.py MODEL_DEFAULTS)")
     data: str = opt(None, "JSONL path (or hub name) with the rows of --task; needs --task")
     fmt: str = opt("boxed", "answer format: boxed or think")
-    steps: int = opt(None, "RL steps (default 500; 40 for the tiny model)")
+    steps: int = opt(None, "RL steps (default: the model's)")
     prompts_per_step: int = opt(8, "prompt groups per RL step")
     group_size: int = opt(8, "G, completions per prompt")
-    max_new_tokens: int = opt(8, "completion length limit")
+    max_new_tokens: int = opt(None, "completion length limit (default: the model's)")
     temperature: float = opt(1.0, "sampling temperature (the trainer's log-probs use the same)")
     top_p: float = opt(1.0, "nucleus sampling mass (1 keeps engine and trainer log-probs identical)")
-    lr: float = opt(None, "peak AdamW learning rate of the LoRA weights (default 1e-5, QeRL's NVFP4 "
-                          "choice; 5e-3 tiny)")
+    lr: float = opt(None, "peak AdamW learning rate of the LoRA weights (default: the model's; 1e-5, "
+                          "QeRL's NVFP4 choice, for a real model)")
     lr_schedule: str = opt("constant", "learning rate after warm-up: constant, linear or cosine (to 0 at "
                                        "the last optimizer step)")
     warmup_steps: int = opt(0, "linear warm-up, in OPTIMIZER steps (epochs x minibatches per RL step). "
@@ -56,8 +58,8 @@ class Config:
                                "without a batch makes no update but still moves the schedule on")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping")
-    lora_rank: int = opt(None, "LoRA rank (default 32; 8 for the tiny model)")
-    lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default 64; 16 tiny)")
+    lora_rank: int = opt(None, "LoRA rank (default: the model's; 32 for a real model)")
+    lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default: the model's)")
     epochs: int = opt(1, "passes over each rollout batch")
     minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
     micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a minibatch)")
@@ -75,8 +77,8 @@ class Config:
                                            "max_new_tokens; 0 = off")
     overlong_factor: float = opt(None, "overlong penalty at the length limit")
     mask_truncated: bool = opt(None, "zero the loss of samples cut at the length limit")
-    format_weight: float = opt(None, "reward weight of a well-formed answer (default 0; 0.2 for the "
-                                     "tiny model)")
+    format_weight: float = opt(None, "reward weight of a well-formed answer (default: the model's; 0 "
+                                     "for a real model)")
     accuracy_weight: float = opt(1.0, "reward weight of a correct answer")
     aqn: bool = opt(True, "adaptive quantization noise in the norms")
     sigma_start: float = opt(1e-2, "AQN sigma of the first noisy stage")
@@ -87,7 +89,8 @@ class Config:
     grad_checkpoint: bool = opt(True, "recompute each layer in backward (less memory)")
     eval_task: str = opt(None, "task evaluated every --eval-every steps (default: held-out rows of "
                                "the training task, never rows it trains on)")
-    eval_every: int = opt(0, "evaluate every N steps (0 = only before and after training)")
+    eval_every: int = opt(None, "evaluate every N steps (0 = only before and after training; "
+                                "default: the model's)")
     eval_limit: int = opt(64, "prompts per evaluation")
     save_every: int = opt(20, "checkpoint every N steps (and at the end)")
     out: str = opt(None, "run folder (default runs/<algo>-<time>)")
@@ -99,7 +102,7 @@ class Config:
 
 # Flags that may change when a run is resumed; any other flag given with --resume is refused.
 RESUMABLE = ("steps", "eval_every", "save_every", "tensorboard", "wandb", "device")
-FLAG_TYPES = {"steps": int, "lr": float, "beta": float, "eps_low": float, "eps_high": float,
+FLAG_TYPES = {"steps": int, "eval_every": int, "max_new_tokens": int, "lr": float, "beta": float, "eps_low": float, "eps_high": float,
               "tis_cap": float, "max_sample_rounds": int, "overlong_cache_frac": float,
               "overlong_factor": float, "lora_rank": int, "lora_alpha": float, "format_weight": float}
 
@@ -146,6 +149,9 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, set]:
 
 def resolve_config(cfg: Config, args, given: set) -> tuple[Config, Path | None]:
     """The run's config: a new one from the flags, or a resumed run's with the flags that may change."""
+    if "data" in given and "task" not in given:
+        raise Stop(f"--data {cfg.data} needs --task to say what its rows are (e.g. --task gsm8k_train for "
+                   "GSM8K-style rows, --task math12k for MATH-style rows)")
     if not args.resume:
         return cfg, None
     run = Path(args.resume)
