@@ -16,6 +16,14 @@ Headroom for RL by construction (see arith.py): the corpus forgets a carry with 
 that owes one, so the model knows the procedure but, at each carry, its most likely move is the slip. Greedy accuracy
 starts low, sampled accuracy sits in the 20-50% band, and RL has a local, checkable rule to sharpen.
 
+RL then (measured on 2 shared CPU cores, NVFP4 base + AQN, 64 held-out prompts, strict boxed checker):
+    python train.py --algo dapo --model models/arith-cpu --task arith --eval-task arith_test --steps 20 \
+        --max-new-tokens 80 --lr 2e-3 --lora-rank 8 --lora-alpha 16 --format-weight 0.1 --eval-every 5 \
+        --no-grad-checkpoint --micro-batch 32
+  greedy 0.17 -> 0.94 (step 5) -> 1.00 (step 20); sampled 0.25 -> 0.98; format 1.00; 4 min 54 s wall.
+  --max-new-tokens 80 keeps DAPO's overlong window (the last quarter) beyond the longest solution (~57 tokens):
+  with 60 the length penalty pays the model to drop the "+1" tokens and accuracy collapses.
+
 Leaves out: resuming, multi-GPU, mixed task families, pretraining on anything but arith.py's generator.
 """
 import argparse
@@ -62,7 +70,7 @@ class Config:
     seed: int = opt(0, "seed of the weights, the corpus and the evaluation samples")
     steps: int = opt(None, "optimizer steps")
     batch_size: int = opt(None, "worked solutions per step (fresh ones every step: the corpus never repeats)")
-    lr: float = opt(None, "peak AdamW learning rate (linear warm-up, then cosine to 10%)")
+    lr: float = opt(None, "peak AdamW learning rate (linear warm-up, then cosine to 10%%)")
     warmup_steps: int = opt(None, "linear learning-rate warm-up steps")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping")
@@ -101,7 +109,10 @@ def parse_args(argv=None) -> Config:
                 "intermediate_size": int, "num_layers": int, "num_heads": int, "num_kv_heads": int, "eval_every": int,
                 "eval_prompts": int, "final_prompts": int, "threads": int}.get(f.name, type(f.default) if f.default
                                                                                  is not None else str)
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+        text = f.metadata["help"]
+        if f.name in PRESETS["cpu"]:  # "(default: None)" would say nothing: name the presets' values
+            text += " [" + ", ".join(f"{p}: {v[f.name]}" for p, v in PRESETS.items()) + "]"
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=text)
     args = ap.parse_args(argv)
     cfg = Config(**vars(args))
     if cfg.preset not in PRESETS:
@@ -372,7 +383,8 @@ def main(argv=None) -> int:
     eval_rows = arith.rows(max(cfg.eval_prompts, cfg.final_prompts), 0, "test", cfg.digits)
     opt_ = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng, prompt_cache, history = random.Random(cfg.seed), {}, []
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+                else torch.autocast("cpu", enabled=False))
     heldout = make_batch(tok, random.Random(cfg.seed), cfg, {}, "test")  # a fixed held-out batch: its loss is logged
 
     def log_eval(step):
@@ -396,9 +408,10 @@ def main(argv=None) -> int:
         opt_.zero_grad(set_to_none=True)
         with Swapped(model, rounded_weights(model, "nvfp4")) if qat else contextlib.nullcontext(), autocast:
             loss = model(input_ids=ids.to(dev), labels=labels.to(dev)).loss
-            loss.backward()                          # with QAT: the gradient at the NVFP4 weights, applied to the master
+            loss.backward()  # with QAT: the gradient at the NVFP4 weights, applied to the master weights
         if not torch.isfinite(loss):
-            print(f"\nerror: the loss is {loss.item()} at step {step}: lower --lr; nothing was written", file=sys.stderr)
+            print(f"\nerror: the loss is {loss.item()} at step {step}: lower --lr; nothing was written",
+                  file=sys.stderr)
             return 3
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt_.step()

@@ -166,21 +166,21 @@ def test_shipped_adapter_loads_in_peft(tmp_path, tok):
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain.py runs
 
-# two-digit sums, no slips, a 0.3M-parameter model: learns the procedure in about 250 steps (~30 s of one core)
+# two-digit sums, no slips, a 0.3M-parameter model: learns the procedure in about 300 steps (~40 s of one core)
 TINY = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2", "--num-heads", "4",
         "--num-kv-heads", "2", "--digits", "2", "--slip", "0", "--batch-size", "32", "--lr", "5e-3",
         "--warmup-steps", "20", "--eval-prompts", "32", "--final-prompts", "32", "--max-new-tokens", "32",
-        "--threads", "1", "--qat-from", "0.8"]
+        "--threads", "1", "--qat-from", "0.9"]
 
 
 def test_pretrain_learns(tmp_path):
     out = tmp_path / "tiny"
-    assert pretrain.main(TINY + ["--out", str(out), "--steps", "250", "--eval-every", "1000"]) == 0  # evals: 0, end
+    assert pretrain.main(TINY + ["--out", str(out), "--steps", "300", "--eval-every", "1000"]) == 0  # evals: 0, end
     recipe = json.loads((out / "recipe.json").read_text())
     first, m = recipe["history"][0], recipe["metrics"]
     assert first["step"] == 0 and first["greedy"] == 0.0 and first["heldout_loss"] > 4.0  # about ln(vocab) at init
     assert m["heldout_loss"] < 0.1 * first["heldout_loss"]
-    assert m["greedy_accuracy"] >= 0.3 and m["nvfp4_greedy_accuracy"] >= 0.3, m
+    assert m["greedy_accuracy"] >= 0.25 and m["nvfp4_greedy_accuracy"] >= 0.25, m
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(recipe["sha256"])
 
 
@@ -201,8 +201,8 @@ def test_bad_input(tmp_path, capsys, args, msg):
 def test_gpu_preset_runs_at_a_tiny_scale(tmp_path):
     """The gpu preset's model (>= 20M parameters) builds and trains; only the step count and batch are cut here."""
     out = tmp_path / "gpu"
-    assert pretrain.main(["--preset", "gpu", "--out", str(out), "--steps", "2", "--batch-size", "4", "--eval-every", "0",
-                          "--final-prompts", "2", "--max-new-tokens", "4", "--threads", "1"]) == 0
+    assert pretrain.main(["--preset", "gpu", "--out", str(out), "--steps", "2", "--batch-size", "4",
+                          "--eval-every", "0", "--final-prompts", "2", "--max-new-tokens", "4", "--threads", "1"]) == 0
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["metrics"]["parameters"] >= 20_000_000 and recipe["config"]["hidden_size"] == 512
     config = json.loads((out / "config.json").read_text())
@@ -223,5 +223,16 @@ def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):
         raise KeyboardInterrupt
     monkeypatch.setattr(pretrain, "sha256_file", boom)  # dies while the folder is being written
     with pytest.raises(KeyboardInterrupt):
-        pretrain.main(TINY + ["--out", str(tmp_path / "m"), "--steps", "1", "--eval-every", "0", "--final-prompts", "2"])
+        pretrain.main(TINY + ["--out", str(tmp_path / "m"), "--steps", "1", "--eval-every", "0",
+                              "--final-prompts", "2"])
     assert not any(tmp_path.iterdir())
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for f in pretrain.dataclasses.fields(pretrain.Config):
+        assert "--" + f.name.replace("_", "-") in text
+    assert "[cpu: 1200, gpu: 3000]" in text  # preset-driven flags name the presets' values
