@@ -86,7 +86,8 @@ class Config:
     aqn_stages: int = opt(10, "AQN stages, the noise-free first one included (noise.py)")
     aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training too)")
     engine: str = opt("builtin", "rollout backend: builtin or vllm")
-    grad_checkpoint: bool = opt(True, "recompute each layer in backward (less memory)")
+    grad_checkpoint: bool = opt(None, "recompute each layer in backward (less memory; default: on, off for "
+                                      "the shipped small model)")
     eval_task: str = opt(None, "task evaluated every --eval-every steps (default: held-out rows of "
                                "the training task, never rows it trains on)")
     eval_every: int = opt(None, "evaluate every N steps (0 = only before and after training; "
@@ -125,7 +126,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
         name = "--" + f.name.replace("_", "-")
         default = argparse.SUPPRESS if suppress else f.default
         if isinstance(f.default, bool) or f.name in ("std_normalize", "dynamic_sampling",
-                                                    "mask_truncated"):
+                                                    "mask_truncated", "grad_checkpoint"):
             ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
                             help=f.metadata["help"])
         else:
