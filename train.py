@@ -45,7 +45,8 @@ import quantize  # noqa: E402
 import rollout  # noqa: E402
 import runlog  # noqa: E402
 import tiny  # noqa: E402
-from train_config import Config, Stop, check_config, parse_args, resolve_config  # noqa: E402
+from train_config import (Config, Stop, apply_model_defaults, check_config, parse_args,  # noqa: E402
+                          resolve_config)
 
 
 def seeded(cfg: Config, *keys) -> int:
@@ -367,28 +368,6 @@ def evaluate(cfg, model, engine, tok, rows, stops, run, step) -> dict:
 # ----------------------------------------------------------------------------------------------------
 # The run
 
-# Defaults that depend on the model; each applies only where the flag was left out. The shipped small model
-# (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy accuracy from ~0.16 within
-# minutes on a CPU. The tiny random model: the lucky-digit plumbing task. Anything else: QeRL's GSM8K recipe.
-SHIPPED = Path(__file__).resolve().parent / "models" / "arith-cpu"
-# max_new_tokens 80 for the addition task: its longest solution is about 57 tokens, and DAPO's overlong penalty
-# covers the last quarter of the limit (with 60 it paid the model to drop its "+1" tokens).
-ARITH_DEFAULTS = dict(task="arith", eval_task="arith_test", steps=20, max_new_tokens=80, lr=2e-3,
-                      lora_rank=8, lora_alpha=16.0, format_weight=0.1, eval_every=5, grad_checkpoint=False)
-TINY_DEFAULTS = dict(task="synthetic", steps=40, max_new_tokens=8, lr=5e-3, lora_rank=8,
-                     lora_alpha=16.0, format_weight=0.2, eval_every=0, grad_checkpoint=True)
-REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", steps=500, max_new_tokens=1024, lr=1e-5,
-                     lora_rank=32, lora_alpha=64.0, format_weight=0.0, eval_every=50, grad_checkpoint=True)
-
-
-def model_defaults(model: str) -> dict:
-    if model == "tiny":
-        return TINY_DEFAULTS
-    if Path(model).exists() and Path(model).resolve() == SHIPPED:
-        return ARITH_DEFAULTS
-    return REAL_DEFAULTS
-
-
 def start_run(cfg: Config, run: Path | None, model, opt_) -> tuple[Path, int]:
     """Make a new run folder, or restore a resumed run's latest checkpoint. Returns (run, first step)."""
     if run is None:
@@ -425,9 +404,7 @@ def main(argv=None):
         return 0
     try:
         cfg, run = resolve_config(cfg, args, given)
-        for name, value in model_defaults(cfg.model).items():
-            if getattr(cfg, name) is None:
-                setattr(cfg, name, value)
+        apply_model_defaults(cfg)
         p = check_config(cfg)
         print("config:", json.dumps(dataclasses.asdict(cfg)))
         print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))

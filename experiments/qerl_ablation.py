@@ -123,7 +123,8 @@ def check_train_flags(extra: list[str], arms: list[str], lrs: list[float]) -> No
                    "without it")
     for arm in arms:
         try:
-            tc.check_config(tc.parse_args(extra + ARMS[arm][1] + ["--lr", str(lrs[0])])[0])
+            cfg = tc.parse_args(extra + ARMS[arm][1] + ["--lr", str(lrs[0])])[0]
+            tc.check_config(tc.apply_model_defaults(cfg))
         except (tc.Stop, ValueError) as e:
             raise Stop(f"arm {arm}: {e}") from None
 
