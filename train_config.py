@@ -171,7 +171,10 @@ def model_defaults(model: str) -> dict:
 
 
 def apply_model_defaults(cfg: Config) -> Config:
-    """Fill the flags left out (None) with the model's defaults, in place."""
+    """Fill the flags left out (None) with the model's defaults, in place. The default model's relative path is
+    taken from the repository, wherever train.py is run from."""
+    if cfg.model == Config.model and not Path(cfg.model).exists():
+        cfg.model = str(SHIPPED)
     for name, value in model_defaults(cfg.model).items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, value)
