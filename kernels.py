@@ -1,7 +1,7 @@
 """kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16), each beside its reference. (The noisy RMSNorm and
 the other decoder ops live in ops.py.)
 
-    python bench.py kernels            # speed against torch bf16 on a GPU
+    python -m bench kernels            # speed against torch bf16 on a GPU
     pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
 
 What is here
@@ -51,7 +51,7 @@ except ImportError as e:  # CPU-only installs can still use the references; a wr
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
-LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
+LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (python -m bench kernels)
 WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, kernels_ws): nvfp4_mm(gated=) pays
 
@@ -293,7 +293,7 @@ def _workspace(device, floats: int, tiles: int):
 
 
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
-    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (the branches' comments say why;
+    """Tile config for M tokens, from `python -m bench kernels --sweep` on an H100 (the branches' comments say why;
     docs/KERNELS.md has the measurements). Up to 8 tokens (sliced=True): the K-sliced kernel, 4 slices on 4 warps, 16
     weight rows (32 where row tiles are many). Else BM covers the tokens (the tensor cores' N side) and BN the weight
     rows: at M <= 64 (bandwidth- and latency-bound) K is split until enough programs per SM hide the latency (7 at

@@ -2,9 +2,9 @@
 layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls it for 33..1023 tokens on an H100
 (where ws_config says it wins).
 
-    python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
-    python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
-    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, docs/KERNELS.md)
+    python -m bench kernels                 # its speed, through kernels.nvfp4_mm's dispatch
+    python -m bench kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
+    python -m bench kernels --parts stamps  # where its programs' time goes (global-timer stamps, docs/KERNELS.md)
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -31,7 +31,7 @@ kernels.py's workspace and the last to finish (a counter per tile) adds them up,
 The rollout's LoRA term (lora=(xa, B): y += xa @ B^T, xa = x @ A^T) is added in the epilogue on the tensor cores: xa's
 tile goes into a free token stage as the wgmma's shared-memory operand, B's rows are the register operand, 16 ranks
 a wgmma (in split 0's partial when K is split). It costs 0.17 ms of a 7B decode step at batch 64 over the four
-shapes' 2.64 ms, where the Triton GEMM's epilogue term cost 0.32 ms (`python bench.py profile --batches 64
+shapes' 2.64 ms, where the Triton GEMM's epilogue term cost 0.32 ms (`python -m bench profile --batches 64
 --lora-rank 32`, and without --lora-rank).
 
 Leaves out: splits that do not divide the K tiles, a CPU path (the reference is kernels.nvfp4_linear_ref; the tests
@@ -89,7 +89,7 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (5 where ws_config says), 5 x 36.5, 3 x 68.5
-T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
+T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (python -m bench kernels --parts ws)
 
 
 @functools.cache
@@ -97,7 +97,7 @@ def _on_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-@functools.cache  # built once per token tile, not per call: 164 -> 139 us of host time a call (bench.py one)
+@functools.cache  # built once per token tile, not per call: 164 -> 139 us of host time a call (python -m bench one)
 def _smem_layouts(BM: int):
     """Shared-memory layouts of the TMA boxes: words (BN, 16), scales (BN / 2, 4) (16-byte rows), tokens (BM, 128)."""
     return (gl.NVMMASharedLayout.get_default_for([BN, 16], gl.int32),
@@ -113,7 +113,7 @@ def usable(x2: torch.Tensor) -> bool:
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program takes a
+    `python -m bench kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
       * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an SM (o at
@@ -235,7 +235,7 @@ if gluon is not None:
 
     @gluon.jit
     def _stamp(st_ptr, j: gl.constexpr):
-        # the global timer (ns) into st_ptr[program, j]: where a program's time goes (bench.py kernels --parts stamps)
+        # the global timer (ns) into st_ptr[program, j]: where a program's time goes (python -m bench kernels --parts stamps)
         z = gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0]))
         ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=gl.int64, is_pure=False, pack=1)
         p = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)

@@ -429,7 +429,7 @@ def race_sample(logits, e, temperature: float, chunks: int | None = None):
     one read of logits and noise instead of a log-softmax, an exp, a division, an argmax and a gather. Each row is
     cut into `chunks` pieces (default: enough for about 256 programs) whose partial results a second launch
     merges: at batch 1 / 16 / 64, 5.7 / 11.7 / 40.9 us for 152k logits against 67 / 68 / 109 us with one program
-    a row (`python bench.py kernels --parts sampler`, H100)."""
+    a row (`python -m bench kernels --parts sampler`, H100)."""
     if logits.shape != e.shape or logits.dim() != 2:
         raise ValueError(f"logits and noise must be (B, V) of one shape, got {tuple(logits.shape)}, {tuple(e.shape)}")
     if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32 and logits.stride(-1) == e.stride(-1) == 1
