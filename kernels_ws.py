@@ -76,7 +76,7 @@ import functools
 
 import torch
 
-import kernels
+from layout import INTERPRET, NVFP4Weight, bits_ptx, lora_args, scale_ptx, workspace
 
 try:
     from triton.experimental import gluon
@@ -107,7 +107,7 @@ def _smem_layouts(BM: int):
 
 def usable(x2: torch.Tensor) -> bool:
     """True where this kernel may run: Gluon present, a Hopper GPU, bf16 tokens whose base TMA can address."""
-    return (gluon is not None and x2.is_cuda and not kernels.INTERPRET and x2.dtype == torch.bfloat16
+    return (gluon is not None and x2.is_cuda and not INTERPRET and x2.dtype == torch.bfloat16
             and x2.data_ptr() % 16 == 0 and _on_hopper(x2.device.index or 0))
 
 
@@ -161,7 +161,7 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
 
 
 if gluon is not None:
-    _SCALE_ASM = gl.constexpr(kernels._SCALE_ASM.value)
+    _SCALE_ASM = gl.constexpr(scale_ptx(False))          # Hopper's (layout.py)
 
     @gluon.jit
     def _rows(v, like):
@@ -177,9 +177,9 @@ if gluon is not None:
                                                   warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 2]))
 
     def _block_ptx(r):
-        # kernels._code_ptx for one block r: the pair of words (columns 2p, 2p + 1: $1 blocks 0-3, $2 blocks 4-7)
+        # layout.code_ptx for one block r: the pair of words (columns 2p, 2p + 1: $1 blocks 0-3, $2 blocks 4-7)
         # -> the bf16x2 $0 of block r, times its multiplier $3
-        bits = kernels._bits_ptx("$1" if r < 4 else "$2", r % 4)
+        bits = bits_ptx("$1" if r < 4 else "$2", r % 4)
         return "{ .reg .b32 t<2>; " + bits + " mul.rn.bf16x2 $0, t0, $3; }"
 
     _BLOCK_ASM = gl.constexpr(tuple(_block_ptx(r) for r in range(8)))
@@ -388,7 +388,7 @@ if gluon is not None:
         ], [1], [40])
 
 
-def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
+def ws_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None,
           stamps: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
     config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
@@ -396,7 +396,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     of 4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
     stored (a separate build; the bits of y are the same). lora=(xa, B): also add xa @ B^T in the epilogue, as
     kernels.nvfp4_mm does (xa (M, R), contiguous B (N, R), R <= 128)."""
-    (M, K), (xa, lb, R) = x2.shape, kernels.lora_args(x2, w, lora)
+    (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
     BM, split = cfg["BM"], cfg.get("SPLIT", 1)
@@ -419,7 +419,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], xl)
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
     grid = (-(-w.n // BN), -(-M // BM), split)
-    ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
+    ws, cnt = workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
     if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,

@@ -9,6 +9,7 @@
     python -m bench model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python -m bench profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
     python -m bench kernels --parts attn    # decode attention (attention.py) vs torch SDPA
+    python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper GPUs take
     python -m bench vllm [--shape small]    # the vLLM backend against the built-in engine (flags: vllm --help)
 
 Run it from the repository root (python -m puts the root on sys.path, so the stage modules import). The entry point
@@ -92,12 +93,18 @@ def main(argv=None):
                          "SDPA; see bench/sweep.py)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
+    ap.add_argument("--portable", action="store_true",
+                    help="run the path non-Hopper GPUs take (as NANOQERL_PORTABLE=1): no kernels_ws GEMM, the "
+                         "portable PTX; the GEMM table says which path and which GEMM each row ran")
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
     if not torch.cuda.is_available():
         print("error: python -m bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.portable:
+        import kernels
+        kernels.PORTABLE = True   # read at every call: every stage below takes the portable path
     if args.what in ("profile", "one"):
         from bench import profiling
         return profiling.run(args) or 0

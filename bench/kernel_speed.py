@@ -21,6 +21,9 @@ def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
 
     out["copy_GBps"] = bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
+    out["path"] = path = "hopper" if kernels.hopper(torch.device("cuda")) else "portable"
+    print(f"path: {path} (" + ("kernels_ws's GEMM where it wins at 33..1023 tokens, sm_90 PTX)" if path == "hopper"
+                               else "the Triton kernels only, the portable PTX: what non-Hopper GPUs run)"))
     rows, best_cfgs = [], {}
     if sweep:
         precompile([M for M in Ms if M < kernels.LARGE_M], 12, sweep, shapes)
@@ -36,7 +39,8 @@ def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
             t_bf16, t_ours = paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
                                        [lambda w=w: kernels.nvfp4_linear(x, w) for w in wq])
             gbs = N * K * 9 / 16 / t_ours / 1e3
-            row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours, nvfp4_GBps=gbs)
+            row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours, nvfp4_GBps=gbs,
+                       gemm="dequant+cuBLAS" if M >= kernels.LARGE_M else kernels.gemm_path(x, wq[0]))
             if M <= 64:  # the bound a perfect W4 kernel meets: cuBLAS reading as many bytes (9/32 of the rows)
                 t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])
                 row.update(same_bytes_bf16_us=t_eq, bound_speedup=t_bf16 / t_eq, read_floor_us=t_read,
