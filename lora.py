@@ -1,9 +1,11 @@
-"""lora.py: LoRA adapters on the frozen base model (bf16 or NVFP4 linears), saved and loaded in the PEFT format.
+"""lora.py: LoRA adapters on the frozen base model (bf16 or NVFP4 linears), saved and loaded in the PEFT
+format.
 
-    python lora.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT_DIR]   # check an adapter; optionally export merged bf16
+    python model.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT_DIR]   # check an adapter (and export)
 
-y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (model.Linear holds A (r, in) and
-B (out, r) as fp32 parameters; the product runs in the activations' dtype). B starts at zero, A like PEFT (Kaiming
+y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (linear.Linear holds A (r, in)
+and B (out, r) as fp32 parameters; linear.py has the product, run in the activations' dtype). This file
+works on any model whose linears() lists them, so it never imports model.py. B starts at zero, A like PEFT (Kaiming
 uniform), so a fresh adapter changes nothing. Disabling the adapters gives the reference policy for the KL term at
 no memory cost. Files: adapter_config.json + adapter_model.safetensors with PEFT's tensor names
 (base_model.model.<module>.lora_A.weight), so peft.PeftModel and vLLM's LoRA loader read ours and we read theirs.
@@ -12,12 +14,10 @@ Leaves out: every PEFT LoRA option beyond plain LoRA (DoRA, rsLoRA, per-module r
 bias training, modules_to_save, PiSSA-style inits that edit the base, ...): load_adapter refuses such adapters by name
 rather than load them with another meaning (see PLAIN_FIELDS).
 """
-import argparse
 import contextlib
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import fsutil
@@ -27,6 +27,10 @@ versions.check()
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from torch import nn  # noqa: E402
+
+import kernels  # noqa: E402
+import quantize  # noqa: E402
+from linear import group_ab  # noqa: E402
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."
@@ -78,51 +82,6 @@ def add_lora(model, rank: int = 32, alpha: float = 64.0, dropout: float = 0.0, t
         params += [lin.lora_A, lin.lora_B]
     model.lora_config = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(targets)}
     return params
-
-
-def group_ab(lins, pads, dtype):
-    """The adapters of a fused group (or of one linear) as ONE product: A (R, in) stacks the members' A; B (rows, R)
-    is block-diagonal with each member's B * scale, zero rows for the base's padding rows (pads: rows per member).
-    Members without an active adapter add nothing. Differentiable. Returns None when no member has one."""
-    on = [lin.lora_A is not None and lin.lora_on for lin in lins]
-    if not any(on):
-        return None
-    A = torch.cat([lin.lora_A for lin, o in zip(lins, on) if o]).to(dtype)          # (R, in)
-    R, roff, blocks = A.shape[0], 0, []
-    for lin, p, o in zip(lins, pads, on):
-        r = lin.lora_A.shape[0] if o else 0
-        b = lin.lora_B * lin.lora_scale if o else A.new_zeros(lin.out_features, 0)  # (out, r)
-        blocks.append(torch.nn.functional.pad(b, (roff, R - roff - r, 0, p - lin.out_features)))
-        roff += r
-    return A, torch.cat(blocks).to(dtype)                                           # (rows, R)
-
-
-class _AddLoRA(torch.autograd.Function):
-    """y += (x @ A^T) @ B^T in place: one GEMM accumulating into the base output (beta = 1, rounded once), so the
-    adapter makes no (tokens, rows) temporaries. Backward: dy passes through to the base; dx = (dy @ B) @ A,
-    dA = (dy @ B)^T @ x, dB = dy^T @ (x @ A^T)."""
-
-    @staticmethod
-    def forward(ctx, y, x, A, B):                                    # y (M, N) not a view, x (M, K), A (R, K), B (N, R)
-        xa = x @ A.t()                                               # (M, R)
-        y.addmm_(xa, B.t())
-        ctx.mark_dirty(y)
-        ctx.save_for_backward(x, A, B, xa)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, A, B, xa = ctx.saved_tensors
-        dxa = dy @ B                                                 # (M, R)
-        dx = dxa @ A if ctx.needs_input_grad[1] else None
-        dA = dxa.t() @ x if ctx.needs_input_grad[2] else None
-        dB = dy.t() @ xa if ctx.needs_input_grad[3] else None
-        return dy, dx, dA, dB
-
-
-def add_term(y, x, ab):
-    """y (M, N) + x (M, K) @ A^T @ B^T for ab = group_ab(...) (None: y). y must be a fresh tensor, not a view."""
-    return y if ab is None else _AddLoRA.apply(y, x, *ab)
 
 
 def lora_parameters(model) -> list[nn.Parameter]:
@@ -235,11 +194,8 @@ def load_adapter(model, path) -> dict:
 
 
 def export_merged(model, src_dir, out_dir) -> Path:
-    """Write a bf16 HF folder with W_hat + B @ A * scale merged into every adapted linear (for serving elsewhere)."""
-    import kernels
-    import model as M
-    import quantize
-
+    """Write a bf16 HF folder with W_hat + B @ A * scale merged into every adapted linear (for serving elsewhere;
+    `python model.py --model SRC --adapter DIR --merge-to OUT` writes one and loads it back)."""
     src, out = quantize.resolve_model_dir(str(src_dir)), Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} exists: choose another folder")
@@ -263,7 +219,6 @@ def export_merged(model, src_dir, out_dir) -> Path:
             skip = f.suffix == ".safetensors" or f.name in ("config.json", "model.safetensors.index.json")
             if f.is_file() and not skip:
                 shutil.copy2(f, tmp / f.name)
-    M.Model.from_pretrained(out)  # the export must load back
     return out
 
 
@@ -290,29 +245,3 @@ def snapshot(model, old: dict | None = None) -> dict:
                 A, B = prev
             snap[mod] = (A, B)
     return snap
-
-
-def main(argv=None):
-    import model as M
-
-    ap = argparse.ArgumentParser(description="Check a LoRA adapter against a model; optionally export a merged bf16 model.")
-    ap.add_argument("--model", required=True, help="base model folder or hub id (bf16 or our NVFP4)")
-    ap.add_argument("--adapter", required=True, help="adapter folder (adapter_config.json + adapter_model.safetensors)")
-    ap.add_argument("--merge-to", default=None, help="write a merged bf16 HF folder here")
-    args = ap.parse_args(argv)
-    print("config:", json.dumps(vars(args)))
-    try:
-        m = M.Model.from_pretrained(args.model)
-        cfg = load_adapter(m, args.adapter)
-        print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {len(lora_parameters(m)) // 2} linears")
-        if args.merge_to:
-            print(f"wrote {export_merged(m, args.model, args.merge_to)}")
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

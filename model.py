@@ -1,6 +1,7 @@
 """model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels.
 
     python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"     # greedy continuation, a smoke test
+    python model.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT]   # the same with a LoRA adapter
 
 One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4 checkpoint
 (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
@@ -28,9 +29,9 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import attention  # noqa: E402
 import kernels  # noqa: E402
-import lora  # noqa: E402
 import quantize  # noqa: E402
-from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
+from linear import Linear, fuse, mlp_act, project  # noqa: E402
+from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -73,127 +74,6 @@ def config_from_hf(d: dict) -> Config:
                   qkv_bias=SUPPORTED[arch] == "qwen2" or bool(d.get("attention_bias", False)),
                   qk_norm=SUPPORTED[arch] == "qwen3", max_position_embeddings=d.get("max_position_embeddings", 4096),
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
-
-
-class Linear(nn.Module):
-    """A frozen base linear, bf16 (`weight`) or NVFP4 (`words`, `scales`, `global_scale`, see kernels.pack_nvfp4),
-    plus an optional LoRA adapter that lora.py attaches (`lora_A` (r, in), `lora_B` (out, r), `lora_scale`)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        for name in ("weight", "words", "scales", "global_scale", "bias"):
-            self.register_buffer(name, None)
-        self.has_bias = bias
-        self.lora_A = self.lora_B = None
-        self.lora_scale, self.lora_dropout, self.lora_on = 0.0, 0.0, True
-        self.snap = None  # the engine's generation snapshot of the adapter (lora.snapshot), set only while generating
-
-    def qweight(self) -> kernels.NVFP4Weight:
-        return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
-
-    def forward(self, x):                                                     # (..., in) -> (..., out)
-        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qweight() if self.words is not None else None)
-        if self.snap is None:
-            y = lora_term([self], [self.out_features], x2, y, self.training)
-        return y.view(*x.shape[:-1], -1)
-
-
-def lora_term(lins, pads, x2, y, training):
-    """y (M, rows) + the LoRA term of lins (one linear, or the members of a fused group with their row counts): one
-    A and one block-diagonal B for the whole group (lora.group_ab), accumulated into y in place. With dropout while
-    training, each member draws its own mask, as PEFT does (one member at a time, out of place)."""
-    if not any(lin.lora_A is not None and lin.lora_on and lin.lora_dropout and training for lin in lins):
-        return lora.add_term(y, x2, lora.group_ab(lins, pads, x2.dtype))
-    outs, off = [], 0
-    for lin, p in zip(lins, pads):
-        o = y[:, off:off + p]
-        if lin.lora_A is not None and lin.lora_on:
-            h = F.dropout(x2, lin.lora_dropout, training)
-            o = o + F.pad((h @ lin.lora_A.t().to(x2.dtype)) @ lin.lora_B.t().to(x2.dtype) * lin.lora_scale,
-                          (0, p - lin.out_features))
-        outs.append(o)
-        off += p
-    return torch.cat(outs, 1)
-
-
-def epilogue_path(qw, x) -> bool:
-    """Whether generation runs this NVFP4 linear through kernels.nvfp4_mm, whose epilogue adds the LoRA snapshot
-    (and, for gate_up, can apply SiLU x up): Triton, bf16, no autograd, fewer than LARGE_M tokens."""
-    return qw is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
-        and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled()
-
-
-def base_linear(mod, x, qw, gated: int = 0):
-    """x (M, in) -> (M, rows), a fresh tensor: the frozen base, NVFP4 through kernels (on CPU the reference, with the
-    dequantized weight cached) or bf16, plus the generation snapshot of its LoRA (mod.snap, lora.snapshot): added in
-    the NVFP4 GEMM's epilogue where that runs, else accumulated in place like the training adapters (lora.add_term).
-    gated=n (epilogue path only): silu(gate) * up (M, n) of a fused gate_up instead (kernels.nvfp4_mm)."""
-    if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
-        if getattr(mod, "_deq", None) is None:
-            mod._deq = kernels.dequantize_ref(qw, x.dtype)
-        y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
-    elif (mod.snap is not None or gated) and epilogue_path(qw, x):
-        x = x.contiguous()
-        snap = None if mod.snap is None else (x @ mod.snap[0].t(), mod.snap[1])
-        return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)
-    elif qw is not None:
-        y = kernels.nvfp4_linear(x, qw, mod.bias)
-    else:
-        y = F.linear(x, mod.weight, mod.bias)
-    return lora.add_term(y, x, mod.snap)
-
-
-class Fused(nn.Module):
-    """q/k/v (or gate/up) as ONE base GEMM: their rows concatenated (NVFP4 rows concatenate because the group
-    shares one global scale). The member Linears keep views of their rows (for export) and their LoRA."""
-
-    def __init__(self, lins):
-        super().__init__()
-        nv = lins[0].words is not None
-        self.pads = [lin.words.shape[1] if nv else lin.out_features for lin in lins]  # NVFP4 rows are padded to 128
-        self.in_features, self.n = lins[0].in_features, sum(self.pads)
-        cat = lambda ts, dim: torch.cat(ts, dim)  # noqa: E731
-        self.register_buffer("words", cat([lin.words for lin in lins], 1) if nv else None)
-        self.register_buffer("scales", cat([lin.scales for lin in lins], 1) if nv else None)
-        self.register_buffer("global_scale", lins[0].global_scale if nv else None)
-        self.register_buffer("weight", None if nv else cat([lin.weight for lin in lins], 0))
-        self.register_buffer("bias", None)
-        self.snap = None
-        if lins[0].bias is not None:
-            self.bias = cat([F.pad(lin.bias, (0, p - lin.out_features)) for lin, p in zip(lins, self.pads)], 0)
-        off = 0
-        for lin, p in zip(lins, self.pads):  # views, not copies
-            if nv:
-                lin.words, lin.scales = self.words[:, off:off + p], self.scales[:, off:off + p]
-            else:
-                lin.weight = self.weight[off:off + p]
-            off += p
-
-    def qw(self):
-        return None if self.words is None else \
-            kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features)
-
-    def forward(self, x, lins, raw: bool = False):                            # -> one output per member
-        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qw())                                  # (M, rows)
-        if self.snap is None:
-            y = lora_term(lins, self.pads, x2, y, self.training)
-        y, outs, off = y.view(*x.shape[:-1], -1), [], 0
-        if raw:                                                               # (..., rows), members at self.pads
-            return y
-        for lin, p in zip(lins, self.pads):
-            outs.append(y[..., off:off + lin.out_features])
-            off += p
-        return outs
-
-
-def fuse(mod, names) -> None:
-    lins = [getattr(mod, n) for n in names]
-    same = all(lin.words is not None for lin in lins) and all(torch.equal(lin.global_scale, lins[0].global_scale) for lin in lins)
-    if same or all(lin.weight is not None for lin in lins):
-        mod.fused = Fused(lins)
 
 
 class Norm(nn.Module):
@@ -253,29 +133,6 @@ class Layer(nn.Module):
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size))
-
-
-def project(mod, names, x):
-    """The member projections of a fused group in one GEMM (see Fused), or one by one."""
-    lins = [getattr(mod, n) for n in names]
-    fused = getattr(mod, "fused", None)
-    return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
-
-
-def mlp_act(mlp, x, n: int):
-    """silu(gate) * up (..., n). Where generation runs the fused gate_up through the Triton GEMMs and its LoRA, if any,
-    is the snapshot: in that GEMM's epilogue (one launch less a layer; same bits). Else gate and up side by side (the
-    fused output as it is, both members padded alike, or the two outputs concatenated), then ops.silu_mul."""
-    fused, x2, lins = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1]), [mlp.gate_proj, mlp.up_proj]
-    if fused is None:
-        gu = torch.cat([lin(x) for lin in lins], -1)                           # (..., 2 n)
-        return silu_mul(gu, n, n)
-    qw, lora_on = fused.qw(), any(lin.lora_A is not None and lin.lora_on for lin in lins)
-    if x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(qw, x2) and fused.pads[0] == fused.pads[1] \
-            and (fused.snap is not None or not lora_on):
-        return base_linear(fused, x2, qw, gated=n).view(*x.shape[:-1], n)
-    gu = fused(x, lins, raw=True)                                              # (..., rows): gate, then up
-    return silu_mul(gu, n, gu.shape[-1] // 2)
 
 
 class KVCache:
@@ -475,25 +332,47 @@ def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="nanoqerl model smoke test: greedy continuation of one chat prompt.")
-    ap.add_argument("--model", required=True, help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
-    ap.add_argument("--prompt", default="What is 2+3?", help="user message, formatted with the chat template")
+    ap = argparse.ArgumentParser(
+        description="nanoqerl model smoke test: greedy continuation of one chat prompt; optionally with a "
+                    "LoRA adapter, and its merge into a bf16 model.")
+    ap.add_argument("--model", required=True,
+                    help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
+    ap.add_argument("--prompt", default="What is 2+3?",
+                    help="user message, formatted with the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
-    ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 checkpoint to NVFP4 while loading")
+    ap.add_argument("--quantize-on-load", action="store_true",
+                    help="quantize a bf16 checkpoint to NVFP4 while loading")
+    ap.add_argument("--adapter", default=None,
+                    help="a LoRA adapter folder (adapter_config.json + adapter_model.safetensors) to load")
+    ap.add_argument("--merge-to", default=None,
+                    help="with --adapter: write a merged bf16 HF folder here (and load it back)")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
     from transformers import AutoTokenizer
 
+    import lora  # adapters are attached from outside; lora.py never imports this file
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
+        if args.merge_to and not args.adapter:
+            raise ValueError("--merge-to needs --adapter: there is nothing to merge")
         model = Model.from_pretrained(args.model, device=dev, quantize_on_load=args.quantize_on_load)
-    except (ValueError, quantize.QuantizeError) as e:
+        if args.adapter:
+            cfg = lora.load_adapter(model, args.adapter)
+            n = len(lora.lora_parameters(model)) // 2
+            print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {n} linears")
+        if args.merge_to:
+            out = lora.export_merged(model, args.model, args.merge_to)
+            Model.from_pretrained(out)                        # the export must load back
+            print(f"wrote {out}")
+    except (ValueError, FileNotFoundError, FileExistsError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import data
 
     tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
-    print(tok.decode(greedy(model, data.prompt_token_ids(tok, args.prompt), args.max_new_tokens)))
+    ids = data.prompt_token_ids(tok, args.prompt)
+    print(tok.decode(greedy(model, ids, args.max_new_tokens)))
     return 0
 
 
