@@ -1,4 +1,4 @@
-"""kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16), each beside its reference. (The noisy RMSNorm and
+"""kernels.py: Triton kernels for NVFP4 weights (W4A16), tuned on Hopper, each beside its reference. (The noisy RMSNorm and
 the other decoder ops live in ops.py.)
 
     python -m bench kernels            # speed against torch bf16 on a GPU
@@ -27,6 +27,8 @@ the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fix
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there. On Hopper, 33..1023 tokens
 (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
 
+Other GPUs (Ampere, Ada, Blackwell) run the same Triton kernels on the portable path (see hopper); Hopper alone
+runs kernels_ws and the PTX with sm_90's bf16x2 multiply.
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, and the
 designs measured and dropped in docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
@@ -74,8 +76,8 @@ def hopper(device: torch.device) -> bool:
     """Whether `device` takes the Hopper-only paths: kernels_ws's warp-specialized Gluon GEMM (33..1023 tokens)
     and the dequantization PTX with sm_90's bf16x2 multiply. Every other GPU (Ampere, Ada, Blackwell) takes the
     portable path: the Triton kernels alone, their PTX with an fma in place of that multiply (the same bits; the
-    tile configs need at most 61 KB of shared memory, within the 99 KB of an RTX 4090 or 5090, as tests/
-    test_kernels.py compiles them to check). NANOQERL_PORTABLE=1 (PORTABLE) sends a Hopper GPU down the
+    H100's tile configs fit each of these GPUs' shared memory, 99 KB on the RTX cards, as tests/test_portable.py
+    checks by compiling them). NANOQERL_PORTABLE=1 (PORTABLE) sends a Hopper GPU down the
     portable path too, so that what other GPUs run is tested and timed on an H100."""
     if device.type != "cuda" or PORTABLE:
         return False
