@@ -1,5 +1,5 @@
-"""kernels.py: Triton kernels for NVFP4 weights (W4A16), tuned on Hopper, each beside its reference. (The noisy RMSNorm and
-the other decoder ops live in ops.py.)
+"""kernels.py: Triton kernels for NVFP4 weights (W4A16), tuned on Hopper, each beside its reference. (The noisy RMSNorm
+and the other decoder ops live in ops.py.)
 
     python -m bench kernels            # speed against torch bf16 on a GPU
     pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
@@ -130,12 +130,14 @@ if triton is not None:
         v = tl.where(r < 4, a[:, None, :], b[:, None, :])                               # (BN, 8 r, 8 p)
         ra = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 6, 13))).to(tl.uint32)  # ROT
         rb = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 1, 2))).to(tl.uint32)
-        bits = (((v >> ra) | (v << ((32 - ra) % 32))) & 0x01C001C0) | (((v >> rb) | (v << ((32 - rb) % 32))) & 0x80008000)
+        mag = ((v >> ra) | (v << ((32 - ra) % 32))) & 0x01C001C0                        # rotate right by ROT[o]
+        bits = mag | (((v >> rb) | (v << ((32 - rb) % 32))) & 0x80008000)
         code = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), (BN, 8, 16))            # (BN, r, c) bf16-lane bits
         e, m = (code >> 7) & 3, ((code >> 6) & 1).to(tl.float32)
         q = tl.where(e == 0, 0.5 * m, tl.exp2((e.to(tl.int32) - 1).to(tl.float32)) * (1.0 + 0.5 * m))
         q = tl.where((code >> 15) != 0, -q, q)
-        s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+        sw = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1))
+        s8 = sw >> (8 * tl.arange(0, 4))[None, None, :]
         s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return tl.reshape(q * s8[:, :, None], (BN, 128)).to(tl.bfloat16)
 
@@ -282,7 +284,8 @@ if triton is not None:
             wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM).to(tl.float32)                         # (BN, 128)
             wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
             k = t * 128 + tl.arange(0, 128)
-            tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
+            tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16),
+                     mask=(n[:, None] < N) & (k[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -398,8 +401,9 @@ def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
         return dequantize_ref(w, dtype)
     out = torch.empty(w.n, w.k, dtype=torch.bfloat16, device=w.words.device)
     KT, tpp = w.words.shape[0], 4
-    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n, w.words.shape[1],
-                                                           w.k, KT, BN=64, TPP=tpp, USE_ASM=asm_mode(w.words.device), num_warps=4)
+    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](
+        w.words, w.scales, w.global_scale, out, w.n, w.words.shape[1], w.k, KT, BN=64, TPP=tpp,
+        USE_ASM=asm_mode(w.words.device), num_warps=4)
     return out.to(dtype)
 
 
@@ -446,6 +450,7 @@ class _NVFP4Linear(torch.autograd.Function):
 
 
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the reference."""
+    """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the
+    reference."""
     _check_linear(x, w, bias)
     return _NVFP4Linear.apply(x, w, bias)

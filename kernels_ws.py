@@ -66,10 +66,10 @@ issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (ga
 each weight then crosses shared memory twice in bf16 (docs/KERNELS.md, "Dequantizing in separate warps"). Nor resident
 programs looping over the tiles, the tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us;
 spills with LoRA; commit 0160692, `python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in
-docs/KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
-tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in docs/KERNELS.md's last
-section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in a
-ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
+docs/KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at
+64 tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in docs/KERNELS.md's
+last section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in
+a ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
 43.8 us; commit 36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in docs/KERNELS.md).
 """
 import functools
@@ -89,7 +89,8 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (5 where ws_config says), 5 x 36.5, 3 x 68.5
-T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (python -m bench kernels --parts ws)
+# a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (python -m bench kernels --parts ws)
+T256 = 1.65
 
 
 @functools.cache
@@ -113,9 +114,9 @@ def usable(x2: torch.Tensor) -> bool:
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python -m bench kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program takes a
-    whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
-    the 132 SMs and how many token rows are padding:
+    `python -m bench kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program
+    takes a whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs
+    fill the 132 SMs and how many token rows are padding:
       * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an SM (o at
         64 tokens: 1.13x of bf16, the Triton GEMM 1.01x; at 40: 1.13x vs 1.04x), else unsplit (qkv 1.27x vs 1.05x at 64,
         1.21x vs 1.09x at 40; gate_up, 592 programs, 2.43x vs 2.30x at 64); a long K (down) split in up to 4 while that
@@ -235,7 +236,8 @@ if gluon is not None:
 
     @gluon.jit
     def _stamp(st_ptr, j: gl.constexpr):
-        # the global timer (ns) into st_ptr[program, j]: where a program's time goes (python -m bench kernels --parts stamps)
+        # the global timer (ns) into st_ptr[program, j]: where a program's time goes
+        # (python -m bench kernels --parts stamps)
         z = gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0]))
         ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=gl.int64, is_pure=False, pack=1)
         p = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)

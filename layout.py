@@ -49,12 +49,14 @@ def pack_nvfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor, global_s
     r = 4h + o (o = 0..3) of columns 2p, 2p+1 at the bit positions of ROT. Zero padding (to 128) is inert.
     """
     if weight_packed.dtype != torch.uint8 or weight_packed.dim() != 2:
-        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {weight_packed.dtype} {tuple(weight_packed.shape)}")
+        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {weight_packed.dtype} "
+                         f"{tuple(weight_packed.shape)}")
     N, K = weight_packed.shape[0], weight_packed.shape[1] * 2
     if K % 16:
         raise ValueError(f"NVFP4 needs K to be a multiple of 16, got K = {K}")
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (N, K // 16):
-        raise ValueError(f"weight_scale must be float8_e4m3fn of shape {(N, K // 16)}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+        raise ValueError(f"weight_scale must be float8_e4m3fn of shape {(N, K // 16)}, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale must hold one value, got shape {tuple(global_scale.shape)}")
     dev = weight_packed.device

@@ -11,8 +11,8 @@ import sys
 
 import torch
 
-from bench.sweep import precompile, read_floor_us, sweep_configs
 from bench.common import SHAPES_7B, copies_for, copy_bandwidth, graph_time_us, paired_us, random_nvfp4
+from bench.sweep import precompile, read_floor_us, sweep_configs
 
 
 def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
