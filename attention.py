@@ -1,8 +1,8 @@
 """attention.py: decode attention over the KV cache (one new token per sequence), a Triton kernel beside its reference.
 
     pytest tests/test_attention.py                     # the kernel against the reference (CPU: TRITON_INTERPRET=1)
-    python bench.py kernels --parts attn               # H100: the kernel against torch SDPA at the rollout's sizes
-    python bench.py profile --ab attn --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
+    python -m bench kernels --parts attn               # H100: the kernel against torch SDPA at the rollout's sizes
+    python -m bench profile --ab attn --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
 
 A decode step's attention reads every key and value of every sequence once (2 * B * kv_heads * kv * head_dim bf16)
 and little else: a streaming kernel. A program takes one KV head of one sequence, with all the query heads of its
@@ -135,10 +135,10 @@ MAX_CHUNKS = 32   # decode_attention's cap: the merge holds a row's partials in 
 
 def config_for(programs: int, S: int, sms: int = 132) -> dict:
     """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
-    (sequence, KV head) pairs over S keys, from `python bench.py kernels --parts attn` (7B heads, kv 256-768): one
+    (sequence, KV head) pairs over S keys, from `python -m bench kernels --parts attn` (7B heads, kv 256-768): one
     chunk of 128-key steps on 4 warps once the pairs fill the SMs (batch 64, kv 768: 38.9 us, 40.1 with 8 warps,
     42.0 for two chunks of 64-key steps; as decode steps call it, RoPE and the keys bounded by the new slot, 8 warps
-    made the 7B step's attention at batch 64 0.86 ms against 0.65, `python bench.py profile --batches 64`); below
+    made the 7B step's attention at batch 64 0.86 ms against 0.65, `python -m bench profile --batches 64`); below
     that, chunks for about four programs an SM, of 32- or 64-key steps (batch 1: 24 chunks of 32-key steps, 5.4 us;
     batch 16: 9 of 64, 14.5 us)."""
     if programs >= sms:

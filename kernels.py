@@ -1,7 +1,7 @@
-"""kernels.py: Triton kernels for NVFP4 weights on Hopper (W4A16), each beside its reference. (The noisy RMSNorm and
-the other decoder ops live in ops.py.)
+"""kernels.py: Triton kernels for NVFP4 weights (W4A16), tuned on Hopper, each beside its reference. (The noisy RMSNorm
+and the other decoder ops live in ops.py.)
 
-    python bench.py kernels            # speed against torch bf16 on a GPU
+    python -m bench kernels            # speed against torch bf16 on a GPU
     pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
 
 What is here
@@ -27,6 +27,8 @@ the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fix
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there. On Hopper, 33..1023 tokens
 (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
 
+Other GPUs (Ampere, Ada, Blackwell) run the same Triton kernels on the portable path (see hopper); Hopper alone
+runs kernels_ws and the PTX with sm_90's bf16x2 multiply.
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, and the
 designs measured and dropped in docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
@@ -38,7 +40,9 @@ import versions
 versions.check()
 import torch  # noqa: E402
 
-from layout import E2M1, ROT, NVFP4Weight, pack_nvfp4, unpack_codes  # noqa: E402, F401 (also kernels.pack_nvfp4, ...)
+# kernels.pack_nvfp4, kernels.NVFP4Weight, ... are layout.py's (the other stages import them from here)
+from layout import (E2M1, INTERPRET, NVFP4Weight, code_ptx, lora_args, pack_nvfp4,  # noqa: E402, F401
+                    scale_ptx, unpack_codes, workspace)
 
 try:
     import triton
@@ -49,15 +53,41 @@ except ImportError as e:  # CPU-only installs can still use the references; a wr
         raise
     triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+PORTABLE = os.environ.get("NANOQERL_PORTABLE") == "1"  # any GPU takes the path a non-Hopper GPU takes (see hopper)
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
-LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (bench.py kernels)
+LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (python -m bench kernels)
 WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
 GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, kernels_ws): nvfp4_mm(gated=) pays
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or (INTERPRET and CPU_TRITON))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which GPUs run what: the one place that decides (README, "Which GPUs run what")
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether `device` takes the Hopper-only paths: kernels_ws's warp-specialized Gluon GEMM (33..1023 tokens)
+    and the dequantization PTX with sm_90's bf16x2 multiply. Every other GPU (Ampere, Ada, Blackwell) takes the
+    portable path: the Triton kernels alone, their PTX with an fma in place of that multiply (the same bits; the
+    H100's tile configs fit each of these GPUs' shared memory, 99 KB on the RTX cards, as tests/test_portable.py
+    checks by compiling them). NANOQERL_PORTABLE=1 (PORTABLE) sends a Hopper GPU down the
+    portable path too, so that what other GPUs run is tested and timed on an H100."""
+    if device.type != "cuda" or PORTABLE:
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) == (9, 0)
+
+
+def asm_mode(device: torch.device) -> int:
+    """The kernels' USE_ASM on `device`: 0 the pure-Triton twin (the interpreter runs no PTX), 1 Hopper's PTX,
+    2 the portable PTX."""
+    return 0 if INTERPRET else 1 if hopper(device) else 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,32 +118,9 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None 
 # The GEMM kernel
 
 if triton is not None:
-    # per row: two words with the 8 fp8 block scales of a K tile -> 8 bf16x2 multipliers (s_r * 2^7, s_r * 2^7)
-    _SCALE_ASM = tl.constexpr("""{
-    .reg .b32 p<4>, c; .reg .b16 h<8>;
-    mov.b32 c, 0x7F007F00;
-    prmt.b32 p0, $8, 0, 0x5140; prmt.b32 p1, $8, 0, 0x5342; prmt.b32 p2, $9, 0, 0x5140; prmt.b32 p3, $9, 0, 0x5342;
-    shl.b32 p0, p0, 4; shl.b32 p1, p1, 4; shl.b32 p2, p2, 4; shl.b32 p3, p3, 4;
-    mul.rn.bf16x2 p0, p0, c; mul.rn.bf16x2 p1, p1, c; mul.rn.bf16x2 p2, p2, c; mul.rn.bf16x2 p3, p3, c;
-    mov.b32 {h0, h1}, p0; mov.b32 {h2, h3}, p1; mov.b32 {h4, h5}, p2; mov.b32 {h6, h7}, p3;
-    mov.b32 $0, {h0, h0}; mov.b32 $1, {h1, h1}; mov.b32 $2, {h2, h2}; mov.b32 $3, {h3, h3};
-    mov.b32 $4, {h4, h4}; mov.b32 $5, {h5, h5}; mov.b32 $6, {h6, h6}; mov.b32 $7, {h7, h7};
-    }""")
-    def _bits_ptx(w, o):
-        # word w -> t0: the bf16x2 bits (sign, magnitude) of block slot o, by ROT[o] (t1 scratch); kernels_ws uses it
-        a, b = ROT[o]
-        mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
-        if a == b:
-            return mag + " and.b32 t0, t0, 0x81C081C0;"
-        return mag + (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
-                      f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
-
-    # a pair of words (columns 2p, 2p+1) -> 8 bf16x2 registers, block r = 0..7, times the multipliers $10 + 2r
-    def _code_ptx(h, w, o):
-        return _bits_ptx(w, o) + f" mul.rn.bf16x2 ${4 * h + o}, t0, ${10 + 2 * (4 * h + o)};\n"
-
-    _CODE_ASM = tl.constexpr("{\n.reg .b32 t<2>;\n" + "".join(
-        _code_ptx(h, w, o) for h, w in ((0, "$8"), (1, "$9")) for o in range(4)) + "}")
+    # the dequantization PTX (layout.py): Hopper's, with sm_90's bf16x2 multiply, and the portable one (sm_80 on)
+    _SCALE_ASM, _CODE_ASM = tl.constexpr(scale_ptx(False)), tl.constexpr(code_ptx(False))
+    _SCALE_FMA, _CODE_FMA = tl.constexpr(scale_ptx(True)), tl.constexpr(code_ptx(True))
 
     @triton.jit
     def _e2m1_twin(words, sw0, sw1, BN: tl.constexpr):
@@ -123,24 +130,28 @@ if triton is not None:
         v = tl.where(r < 4, a[:, None, :], b[:, None, :])                               # (BN, 8 r, 8 p)
         ra = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 6, 13))).to(tl.uint32)  # ROT
         rb = tl.where(r % 4 == 0, 0, tl.where(r % 4 == 1, 3, tl.where(r % 4 == 2, 1, 2))).to(tl.uint32)
-        bits = (((v >> ra) | (v << ((32 - ra) % 32))) & 0x01C001C0) | (((v >> rb) | (v << ((32 - rb) % 32))) & 0x80008000)
+        mag = ((v >> ra) | (v << ((32 - ra) % 32))) & 0x01C001C0                        # rotate right by ROT[o]
+        bits = mag | (((v >> rb) | (v << ((32 - rb) % 32))) & 0x80008000)
         code = tl.reshape(tl.join(bits & 0xFFFF, bits >> 16), (BN, 8, 16))            # (BN, r, c) bf16-lane bits
         e, m = (code >> 7) & 3, ((code >> 6) & 1).to(tl.float32)
         q = tl.where(e == 0, 0.5 * m, tl.exp2((e.to(tl.int32) - 1).to(tl.float32)) * (1.0 + 0.5 * m))
         q = tl.where((code >> 15) != 0, -q, q)
-        s8 = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1)) >> (8 * tl.arange(0, 4))[None, None, :]
+        sw = tl.reshape(tl.join(sw0, sw1).to(tl.uint32, bitcast=True), (BN, 2, 1))
+        s8 = sw >> (8 * tl.arange(0, 4))[None, None, :]
         s8 = tl.reshape(s8 & 0xFF, (BN, 8)).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return tl.reshape(q * s8[:, :, None], (BN, 128)).to(tl.bfloat16)
 
     @triton.jit
     def _dequant_regs(words, sw0, sw1, BN: tl.constexpr, USE_ASM: tl.constexpr):
-        # (BN, 16) words + the two scale words per row -> (BN, 128) bf16 q * s (times 2^-119 with the PTX path)
+        # (BN, 16) words + the two scale words per row -> (BN, 128) bf16 q * s (times 2^-119 with the PTX path).
+        # USE_ASM (see asm_mode): 0 the pure-Triton twin, 1 Hopper's PTX, 2 the portable PTX (same bits)
         if USE_ASM:
             m0, m1, m2, m3, m4, m5, m6, m7 = tl.inline_asm_elementwise(
-                _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+                _SCALE_FMA if USE_ASM == 2 else _SCALE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [sw0, sw1],
+                dtype=(tl.int32,) * 8, is_pure=True, pack=1)
             sh: tl.constexpr = (BN, 16)
             w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-                _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
+                _CODE_FMA if USE_ASM == 2 else _CODE_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 18,
                 [words, tl.broadcast_to(m0[:, None], sh), tl.broadcast_to(m1[:, None], sh),
                  tl.broadcast_to(m2[:, None], sh), tl.broadcast_to(m3[:, None], sh),
                  tl.broadcast_to(m4[:, None], sh), tl.broadcast_to(m5[:, None], sh),
@@ -273,27 +284,15 @@ if triton is not None:
             wt = _dequant_regs(words, sw0, sw1, BN, USE_ASM).to(tl.float32)                         # (BN, 128)
             wt = wt * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
             k = t * 128 + tl.arange(0, 128)
-            tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16), mask=(n[:, None] < N) & (k[None, :] < K))
+            tl.store(out_ptr + n[:, None] * K + k[None, :], wt.to(tl.bfloat16),
+                     mask=(n[:, None] < N) & (k[None, :] < K))
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Launch: configs per token bucket, split-K, workspace
 
-_WS: dict = {}  # device -> (workspace fp32, tile counters int32); counters reset themselves after each use
-
-
-def _workspace(device, floats: int, tiles: int):
-    ws, cnt = _WS.get(device, (None, None))
-    if ws is None or ws.numel() < floats:
-        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < tiles:
-        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    _WS[device] = (ws, cnt)
-    return ws, cnt
-
-
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
-    """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (the branches' comments say why;
+    """Tile config for M tokens, from `python -m bench kernels --sweep` on an H100 (the branches' comments say why;
     docs/KERNELS.md has the measurements). Up to 8 tokens (sliced=True): the K-sliced kernel, 4 slices on 4 warps, 16
     weight rows (32 where row tiles are many). Else BM covers the tokens (the tensor cores' N side) and BN the weight
     rows: at M <= 64 (bandwidth- and latency-bound) K is split until enough programs per SM hide the latency (7 at
@@ -334,17 +333,6 @@ def split_k(KT: int, split: int) -> tuple[int, int]:
     return -(-KT // per), per
 
 
-def lora_args(x2: torch.Tensor, w: NVFP4Weight, lora):
-    """(xa, B, R) of lora=(xa (M, R), contiguous B (N, R)), R <= 128, checked; (x2, x2, 0) without one."""
-    if lora is None:
-        return x2, x2, 0
-    (xa, lb), R = lora, lora[0].shape[-1]
-    if xa.shape != (x2.shape[0], R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous():
-        raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, "
-                         f"{tuple(lb.shape)}")
-    return xa.contiguous(), lb, R
-
-
 def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None, use_asm: bool | None = None,
              lora=None, gated: int = 0):
     """(M, K) bf16 -> (M, N) with the Triton GEMM (any M; see nvfp4_linear for the dispatch).
@@ -357,15 +345,16 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
     if gated and not (0 < gated <= w.n // 2 and w.n % 256 == 0):
         raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike (N = {w.n})")
-    ws = _ws() if config is None and M > WS_MIN_M and use_asm is None and not gated else None
-    if ws is not None and ws.usable(x2) and (wcfg := ws.ws_config(M, w.n, K)) is not None:
-        return ws.ws_mm(x2, w, bias, wcfg, lora=lora)    # Hopper, 33..1023 tokens, enough tiles: warp-specialized
+    if (wcfg := ws_choice(x2, w, config, use_asm, gated)) is not None:
+        return _ws().ws_mm(x2, w, bias, wcfg, lora=lora)    # Hopper, 33..1023 tokens, enough tiles: warp-specialized
     N, KT = w.n, w.words.shape[0]
     if config and config.get("num_warps", 4) % config.get("KS", 1):  # fewer warps than K slices: wrong sums (H100)
         raise ValueError(f"the K-sliced kernel needs num_warps a multiple of KS, got {config}")
     cfg = dict(config or mm_config(M, N, K))
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
-    RP, asm = max(16, triton.next_power_of_2(R)) if R else 0, (not INTERPRET) if use_asm is None else use_asm
+    ptx = 1 if hopper(x2.device) else 2                          # which PTX, where PTX runs (see asm_mode)
+    asm = (0 if INTERPRET else ptx) if use_asm is None else ptx * bool(use_asm)
+    RP = max(16, triton.next_power_of_2(R)) if R else 0
     y = torch.empty(M, gated or N, dtype=x2.dtype, device=x2.device)
     cfg.update(GATED=bool(gated), UP=N // 2 if gated else 0, I=gated)  # gated: BN / 2 rows of each half, same grid
     if "KS" in cfg:  # K sliced inside the program: no split-K workspace
@@ -375,11 +364,26 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
         return y
     split, per_split = split_k(KT, cfg.pop("SPLIT_K"))
     grid = (-(-N // BN), -(-M // BM), split)
-    ws, cnt = _workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
+    ws, cnt = workspace(x2.device, split * grid[1] * BM * N if split > 1 else 0, grid[0] * grid[1])
     _nvfp4_mm_kernel[grid](x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, ws, cnt, xa, lb,
                            M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R, BM=BM, BN=BN,
                            SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
+
+
+def ws_choice(x2: torch.Tensor, w: NVFP4Weight, config=None, use_asm=None, gated: int = 0) -> dict | None:
+    """kernels_ws's config where nvfp4_mm runs x2 (M, K) through the warp-specialized GEMM (Hopper, 33..1023 tokens,
+    enough tiles, no config or dequant forced, no gated epilogue); None where it runs this file's kernels."""
+    M = x2.shape[0]
+    if config is not None or M <= WS_MIN_M or use_asm is not None or gated or not hopper(x2.device):
+        return None
+    ws = _ws()
+    return ws.ws_config(M, w.n, x2.shape[1]) if ws is not None and ws.usable(x2) else None
+
+
+def gemm_path(x2: torch.Tensor, w: NVFP4Weight, **kw) -> str:
+    """"ws" or "triton": which GEMM nvfp4_mm(x2, w, **kw) runs (for the tests and benchmarks)."""
+    return "triton" if ws_choice(x2, w, **kw) is None else "ws"
 
 
 @functools.cache
@@ -397,8 +401,9 @@ def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
         return dequantize_ref(w, dtype)
     out = torch.empty(w.n, w.k, dtype=torch.bfloat16, device=w.words.device)
     KT, tpp = w.words.shape[0], 4
-    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](w.words, w.scales, w.global_scale, out, w.n, w.words.shape[1],
-                                                           w.k, KT, BN=64, TPP=tpp, USE_ASM=not INTERPRET, num_warps=4)
+    _nvfp4_dequant_kernel[(-(-w.n // 64), -(-KT // tpp))](
+        w.words, w.scales, w.global_scale, out, w.n, w.words.shape[1], w.k, KT, BN=64, TPP=tpp,
+        USE_ASM=asm_mode(w.words.device), num_warps=4)
     return out.to(dtype)
 
 
@@ -445,6 +450,7 @@ class _NVFP4Linear(torch.autograd.Function):
 
 
 def nvfp4_linear(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the reference."""
+    """y = x @ W_hat^T (+ bias) for x (..., K). Triton on CUDA bf16 (and under TRITON_INTERPRET=1), else the
+    reference."""
     _check_linear(x, w, bias)
     return _NVFP4Linear.apply(x, w, bias)

@@ -2,9 +2,9 @@
 layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls it for 33..1023 tokens on an H100
 (where ws_config says it wins).
 
-    python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
-    python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
-    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, docs/KERNELS.md)
+    python -m bench kernels                 # its speed, through kernels.nvfp4_mm's dispatch
+    python -m bench kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
+    python -m bench kernels --parts stamps  # where its programs' time goes (global-timer stamps, docs/KERNELS.md)
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -31,7 +31,7 @@ kernels.py's workspace and the last to finish (a counter per tile) adds them up,
 The rollout's LoRA term (lora=(xa, B): y += xa @ B^T, xa = x @ A^T) is added in the epilogue on the tensor cores: xa's
 tile goes into a free token stage as the wgmma's shared-memory operand, B's rows are the register operand, 16 ranks
 a wgmma (in split 0's partial when K is split). It costs 0.17 ms of a 7B decode step at batch 64 over the four
-shapes' 2.64 ms, where the Triton GEMM's epilogue term cost 0.32 ms (`python bench.py profile --batches 64
+shapes' 2.64 ms, where the Triton GEMM's epilogue term cost 0.32 ms (`python -m bench profile --batches 64
 --lora-rank 32`, and without --lora-rank).
 
 Leaves out: splits that do not divide the K tiles, a CPU path (the reference is kernels.nvfp4_linear_ref; the tests
@@ -66,17 +66,17 @@ issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (ga
 each weight then crosses shared memory twice in bf16 (docs/KERNELS.md, "Dequantizing in separate warps"). Nor resident
 programs looping over the tiles, the tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us;
 spills with LoRA; commit 0160692, `python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in
-docs/KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
-tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in docs/KERNELS.md's last
-section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in a
-ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
+docs/KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at
+64 tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in docs/KERNELS.md's
+last section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in
+a ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
 43.8 us; commit 36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in docs/KERNELS.md).
 """
 import functools
 
 import torch
 
-import kernels
+from layout import INTERPRET, NVFP4Weight, bits_ptx, lora_args, scale_ptx, workspace
 
 try:
     from triton.experimental import gluon
@@ -89,7 +89,8 @@ except ImportError:  # a Triton without Gluon: kernels.nvfp4_mm keeps to its own
 
 BN = 64          # weight rows per program: one warp group's wgmma M
 STAGES = {64: 4, 128: 5, 256: 3}  # ring depth by token tile: 4 x 20.5 KB (5 where ws_config says), 5 x 36.5, 3 x 68.5
-T256 = 1.65      # a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (bench.py kernels --parts ws)
+# a 256-token program's time over a 128-token one's, same K: 1.5-1.65 (python -m bench kernels --parts ws)
+T256 = 1.65
 
 
 @functools.cache
@@ -97,7 +98,7 @@ def _on_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-@functools.cache  # built once per token tile, not per call: 164 -> 139 us of host time a call (bench.py one)
+@functools.cache  # built once per token tile, not per call: 164 -> 139 us of host time a call (python -m bench one)
 def _smem_layouts(BM: int):
     """Shared-memory layouts of the TMA boxes: words (BN, 16), scales (BN / 2, 4) (16-byte rows), tokens (BM, 128)."""
     return (gl.NVMMASharedLayout.get_default_for([BN, 16], gl.int32),
@@ -107,15 +108,15 @@ def _smem_layouts(BM: int):
 
 def usable(x2: torch.Tensor) -> bool:
     """True where this kernel may run: Gluon present, a Hopper GPU, bf16 tokens whose base TMA can address."""
-    return (gluon is not None and x2.is_cuda and not kernels.INTERPRET and x2.dtype == torch.bfloat16
+    return (gluon is not None and x2.is_cuda and not INTERPRET and x2.dtype == torch.bfloat16
             and x2.data_ptr() % 16 == 0 and _on_hopper(x2.device.index or 0))
 
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program takes a
-    whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
-    the 132 SMs and how many token rows are padding:
+    `python -m bench kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program
+    takes a whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs
+    fill the 132 SMs and how many token rows are padding:
       * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an SM (o at
         64 tokens: 1.13x of bf16, the Triton GEMM 1.01x; at 40: 1.13x vs 1.04x), else unsplit (qkv 1.27x vs 1.05x at 64,
         1.21x vs 1.09x at 40; gate_up, 592 programs, 2.43x vs 2.30x at 64); a long K (down) split in up to 4 while that
@@ -161,7 +162,7 @@ def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
 
 
 if gluon is not None:
-    _SCALE_ASM = gl.constexpr(kernels._SCALE_ASM.value)
+    _SCALE_ASM = gl.constexpr(scale_ptx(False))          # Hopper's (layout.py)
 
     @gluon.jit
     def _rows(v, like):
@@ -177,9 +178,9 @@ if gluon is not None:
                                                   warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 2]))
 
     def _block_ptx(r):
-        # kernels._code_ptx for one block r: the pair of words (columns 2p, 2p + 1: $1 blocks 0-3, $2 blocks 4-7)
+        # layout.code_ptx for one block r: the pair of words (columns 2p, 2p + 1: $1 blocks 0-3, $2 blocks 4-7)
         # -> the bf16x2 $0 of block r, times its multiplier $3
-        bits = kernels._bits_ptx("$1" if r < 4 else "$2", r % 4)
+        bits = bits_ptx("$1" if r < 4 else "$2", r % 4)
         return "{ .reg .b32 t<2>; " + bits + " mul.rn.bf16x2 $0, t0, $3; }"
 
     _BLOCK_ASM = gl.constexpr(tuple(_block_ptx(r) for r in range(8)))
@@ -235,7 +236,8 @@ if gluon is not None:
 
     @gluon.jit
     def _stamp(st_ptr, j: gl.constexpr):
-        # the global timer (ns) into st_ptr[program, j]: where a program's time goes (bench.py kernels --parts stamps)
+        # the global timer (ns) into st_ptr[program, j]: where a program's time goes
+        # (python -m bench kernels --parts stamps)
         z = gl.arange(0, 128, gl.BlockedLayout([1], [32], [4], [0]))
         ns = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=gl.int64, is_pure=False, pack=1)
         p = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
@@ -388,7 +390,7 @@ if gluon is not None:
         ], [1], [40])
 
 
-def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | None = None,
+def ws_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = None,
           stamps: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """(M, K) bf16 -> (M, N): y = x2 @ W_hat^T (+ bias) with the warp-specialized kernel (check usable() first).
     config: dict(BM=64, 128 or 256, maxnreg=registers a thread or None, SPLIT=K splits dividing the K tiles (default 1),
@@ -396,7 +398,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     of 4 x programs that receives each program's global timer (ns) at its start, first tile landed, loop done and output
     stored (a separate build; the bits of y are the same). lora=(xa, B): also add xa @ B^T in the epilogue, as
     kernels.nvfp4_mm does (xa (M, R), contiguous B (N, R), R <= 128)."""
-    (M, K), (xa, lb, R) = x2.shape, kernels.lora_args(x2, w, lora)
+    (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
     KT, NP = w.words.shape[0], w.words.shape[1]
     cfg = config or ws_config(M, w.n, K) or dict(BM=128, maxnreg=None)
     BM, split = cfg["BM"], cfg.get("SPLIT", 1)
@@ -419,7 +421,7 @@ def ws_mm(x2: torch.Tensor, w: "kernels.NVFP4Weight", bias=None, config: dict | 
     x_desc = TensorDescriptor.from_tensor(x2, [BM, 128], xl)
     y = torch.empty(M, w.n, dtype=x2.dtype, device=x2.device)
     grid = (-(-w.n // BN), -(-M // BM), split)
-    ws, cnt = kernels._workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
+    ws, cnt = workspace(x2.device, split * grid[1] * BM * w.n if split > 1 else 0, grid[0] * grid[1])
     if stamps is not None and stamps.numel() < 4 * grid[0] * grid[1] * split:
         raise ValueError(f"stamps needs 4 x {grid[0] * grid[1] * split} int64 entries, got {stamps.numel()}")
     _ws_kernel[grid](w_desc, s_desc, x_desc, w.global_scale, bias if bias is not None else y, y, ws, cnt,

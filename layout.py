@@ -2,6 +2,8 @@
 
     pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   checkpoint -> kernel words
     unpack_codes(w)                                                               and back (for the references)
+    scale_ptx, code_ptx, bits_ptx                the PTX that turns words into bf16 (both GEMMs inline it)
+    lora_args, workspace                         the LoRA epilogue's operands, the split-K workspace (both GEMMs)
 
 The checkpoint (compressed-tensors) holds 4-bit e2m1 codes two a byte, one fp8 e4m3 scale per 16 weights and an fp32
 global scale. The kernels read tile-major 32-bit words whose bits sit where a few integer operations turn them into
@@ -9,6 +11,7 @@ bf16 lanes (ROT; kernels.py's docstring says why that is exact). Leaves out: any
 MX formats).
 """
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -46,12 +49,14 @@ def pack_nvfp4(weight_packed: torch.Tensor, weight_scale: torch.Tensor, global_s
     r = 4h + o (o = 0..3) of columns 2p, 2p+1 at the bit positions of ROT. Zero padding (to 128) is inert.
     """
     if weight_packed.dtype != torch.uint8 or weight_packed.dim() != 2:
-        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {weight_packed.dtype} {tuple(weight_packed.shape)}")
+        raise ValueError(f"weight_packed must be a 2-D uint8 tensor, got {weight_packed.dtype} "
+                         f"{tuple(weight_packed.shape)}")
     N, K = weight_packed.shape[0], weight_packed.shape[1] * 2
     if K % 16:
         raise ValueError(f"NVFP4 needs K to be a multiple of 16, got K = {K}")
     if weight_scale.dtype != torch.float8_e4m3fn or tuple(weight_scale.shape) != (N, K // 16):
-        raise ValueError(f"weight_scale must be float8_e4m3fn of shape {(N, K // 16)}, got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+        raise ValueError(f"weight_scale must be float8_e4m3fn of shape {(N, K // 16)}, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale must hold one value, got shape {tuple(global_scale.shape)}")
     dev = weight_packed.device
@@ -80,3 +85,81 @@ def unpack_codes(w: NVFP4Weight) -> torch.Tensor:
     bits = (words[:, :, :, None, :, None, None] >> pos[None, None, None, :, None, :, :]) & 1
     codes = (bits << torch.arange(4, device=words.device)).sum(-1)     # (n, t, h, o, p, j)
     return codes.reshape(Np, KT * 128)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What both GEMMs share (kernels.py's Triton kernels, kernels_ws.py's Gluon one), here so that neither imports the
+# other for it: the PTX that turns words into bf16, the LoRA epilogue's operands and the split-K workspace.
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's CPU interpreter: it runs no PTX and no Gluon
+
+
+def mul_ptx(d: str, a: str, b: str, portable: bool) -> str:
+    """d = a * b on two bf16 lanes, rounded once. mul.rn.bf16x2 needs sm_90 (Hopper); the portable form (sm_80 on:
+    Ampere, Ada, Blackwell) is an fma adding -0.0, register nz: the same bits, as x + (-0.0) = x for every x, +0.0
+    included, and the fma rounds the exact product once, as the multiply does."""
+    return f"fma.rn.bf16x2 {d}, {a}, {b}, nz;" if portable else f"mul.rn.bf16x2 {d}, {a}, {b};"
+
+
+def _nz(portable: bool) -> str:
+    # the -0.0 pair that the portable multiply adds
+    return " .reg .b32 nz; mov.b32 nz, 0x80008000;" if portable else ""
+
+
+def scale_ptx(portable: bool) -> str:
+    """Per row: the two words holding a K tile's 8 fp8 block scales ($8, $9) -> 8 bf16x2 multipliers
+    (s_r * 2^7, s_r * 2^7) ($0..$7): each scale byte shifted left by 4 is s * 2^-120 as a bf16, times 2^127."""
+    muls = " ".join(mul_ptx(f"p{i}", f"p{i}", "c", portable) for i in range(4))
+    return f"""{{
+    .reg .b32 p<4>, c; .reg .b16 h<8>;{_nz(portable)}
+    mov.b32 c, 0x7F007F00;
+    prmt.b32 p0, $8, 0, 0x5140; prmt.b32 p1, $8, 0, 0x5342; prmt.b32 p2, $9, 0, 0x5140; prmt.b32 p3, $9, 0, 0x5342;
+    shl.b32 p0, p0, 4; shl.b32 p1, p1, 4; shl.b32 p2, p2, 4; shl.b32 p3, p3, 4;
+    {muls}
+    mov.b32 {{h0, h1}}, p0; mov.b32 {{h2, h3}}, p1; mov.b32 {{h4, h5}}, p2; mov.b32 {{h6, h7}}, p3;
+    mov.b32 $0, {{h0, h0}}; mov.b32 $1, {{h1, h1}}; mov.b32 $2, {{h2, h2}}; mov.b32 $3, {{h3, h3}};
+    mov.b32 $4, {{h4, h4}}; mov.b32 $5, {{h5, h5}}; mov.b32 $6, {{h6, h6}}; mov.b32 $7, {{h7, h7}};
+    }}"""
+
+
+def bits_ptx(w: str, o: int) -> str:
+    """Word w -> t0: the bf16x2 bits (sign, magnitude) of block slot o, by ROT[o] (t1 scratch)."""
+    a, b = ROT[o]
+    mag = f"shf.r.wrap.b32 t0, {w}, {w}, {a};" if a else f"mov.b32 t0, {w};"
+    if a == b:
+        return mag + " and.b32 t0, t0, 0x81C081C0;"
+    return mag + (f" shf.r.wrap.b32 t1, {w}, {w}, {b}; and.b32 t1, t1, 0x80008000;"
+                  f" lop3.b32 t0, t0, 0x01C001C0, t1, 0xEA;")
+
+
+def code_ptx(portable: bool) -> str:
+    """A pair of words (columns 2p, 2p+1: $8 blocks 0-3, $9 blocks 4-7) -> 8 bf16x2 registers $0..$7 (block r =
+    4h + o), each times its multiplier $10 + 2r."""
+    body = "".join(bits_ptx(w, o) + " " + mul_ptx(f"${4 * h + o}", "t0", f"${10 + 2 * (4 * h + o)}", portable) + "\n"
+                   for h, w in ((0, "$8"), (1, "$9")) for o in range(4))
+    return "{\n.reg .b32 t<2>;" + _nz(portable) + "\n" + body + "}"
+
+
+def lora_args(x2: torch.Tensor, w: NVFP4Weight, lora):
+    """(xa, B, R) of lora=(xa (M, R), contiguous B (N, R)), R <= 128, checked; (x2, x2, 0) without one."""
+    if lora is None:
+        return x2, x2, 0
+    (xa, lb), R = lora, lora[0].shape[-1]
+    if xa.shape != (x2.shape[0], R) or lb.shape != (w.n, R) or R > 128 or not lb.is_contiguous():
+        raise ValueError(f"lora must be xa (M, R) and contiguous B (N, R), R <= 128; got {tuple(xa.shape)}, "
+                         f"{tuple(lb.shape)}")
+    return xa.contiguous(), lb, R
+
+
+_WS: dict = {}  # device -> (workspace fp32, tile counters int32); counters reset themselves after each use
+
+
+def workspace(device, floats: int, tiles: int):
+    """Split-K programs park partial sums here (floats) and count per output tile (tiles) who finishes last."""
+    ws, cnt = _WS.get(device, (None, None))
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(max(floats, 1 << 20), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < tiles:
+        cnt = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    _WS[device] = (ws, cnt)
+    return ws, cnt

@@ -1,16 +1,19 @@
 """model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels.
 
-    python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"     # greedy continuation, a smoke test
+    python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"   # greedy continuation
+    python model.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT]  # with a LoRA adapter
 
-One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4 checkpoint
-(quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at load time; `forward`
-runs full sequences (training, scoring; optional per-layer gradient checkpointing) or writes/reads a KV cache
-(the rollout engine) through the same layer code. Norms run through ops.rms_norm with the AQN noise of
-`model.noise` ((layers, 2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up); a decode step (one new token a
-row) runs attention.decode_attention, everything else torch SDPA. `token_logprobs` scores given
-tokens chunk by chunk, so the (tokens, 152k) fp32 logits never exist at once.
+One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4
+checkpoint (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at
+load time; `forward` runs full sequences (training, scoring; optional per-layer gradient
+checkpointing) or writes/reads a KV cache (the rollout engine) through the same layer code. Norms
+run through ops.rms_norm with the AQN noise of `model.noise` ((layers, 2, hidden) or None: index 0
+feeds q/k/v, 1 feeds gate/up); a decode step (one new token a row) runs attention.decode_attention,
+everything else torch SDPA. `token_logprobs` scores given tokens chunk by chunk, so the (tokens,
+152k) fp32 logits never exist at once.
 
-Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor parallelism.
+Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor
+parallelism.
 """
 import argparse
 import json
@@ -28,9 +31,9 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import attention  # noqa: E402
 import kernels  # noqa: E402
-import lora  # noqa: E402
 import quantize  # noqa: E402
-from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq, silu_mul  # noqa: E402
+from linear import Linear, fuse, mlp_act, project  # noqa: E402
+from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq  # noqa: E402
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -60,144 +63,30 @@ def config_from_hf(d: dict) -> Config:
     if arch not in SUPPORTED:
         raise ValueError(f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED)}")
     rope = dict(d.get("rope_parameters") or {})
-    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "llama3"):
-        raise ValueError(f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} is not supported (default, llama3)")
+    scaling = d.get("rope_scaling")
+    if not scaling and rope.get("rope_type", "default") != "default":
+        scaling = rope
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else "default"
+    if kind not in ("default", "llama3"):
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, llama3)")
     eos = d.get("eos_token_id")
+    heads = d["num_attention_heads"]
     return Config(arch=SUPPORTED[arch], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                   intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-                  num_heads=d["num_attention_heads"], num_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-                  head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-                  rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+                  num_heads=heads, num_kv_heads=d.get("num_key_value_heads", heads),
+                  head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                  rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
                   rope_scaling=scaling, tie_word_embeddings=d.get("tie_word_embeddings", False),
                   qkv_bias=SUPPORTED[arch] == "qwen2" or bool(d.get("attention_bias", False)),
-                  qk_norm=SUPPORTED[arch] == "qwen3", max_position_embeddings=d.get("max_position_embeddings", 4096),
+                  qk_norm=SUPPORTED[arch] == "qwen3",
+                  max_position_embeddings=d.get("max_position_embeddings", 4096),
                   eos_token_ids=eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
 
-class Linear(nn.Module):
-    """A frozen base linear, bf16 (`weight`) or NVFP4 (`words`, `scales`, `global_scale`, see kernels.pack_nvfp4),
-    plus an optional LoRA adapter that lora.py attaches (`lora_A` (r, in), `lora_B` (out, r), `lora_scale`)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        for name in ("weight", "words", "scales", "global_scale", "bias"):
-            self.register_buffer(name, None)
-        self.has_bias = bias
-        self.lora_A = self.lora_B = None
-        self.lora_scale, self.lora_dropout, self.lora_on = 0.0, 0.0, True
-        self.snap = None  # the engine's generation snapshot of the adapter (lora.snapshot), set only while generating
-
-    def qweight(self) -> kernels.NVFP4Weight:
-        return kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.out_features, self.in_features)
-
-    def forward(self, x):                                                     # (..., in) -> (..., out)
-        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qweight() if self.words is not None else None)
-        if self.snap is None:
-            y = lora_term([self], [self.out_features], x2, y, self.training)
-        return y.view(*x.shape[:-1], -1)
-
-
-def lora_term(lins, pads, x2, y, training):
-    """y (M, rows) + the LoRA term of lins (one linear, or the members of a fused group with their row counts): one
-    A and one block-diagonal B for the whole group (lora.group_ab), accumulated into y in place. With dropout while
-    training, each member draws its own mask, as PEFT does (one member at a time, out of place)."""
-    if not any(lin.lora_A is not None and lin.lora_on and lin.lora_dropout and training for lin in lins):
-        return lora.add_term(y, x2, lora.group_ab(lins, pads, x2.dtype))
-    outs, off = [], 0
-    for lin, p in zip(lins, pads):
-        o = y[:, off:off + p]
-        if lin.lora_A is not None and lin.lora_on:
-            h = F.dropout(x2, lin.lora_dropout, training)
-            o = o + F.pad((h @ lin.lora_A.t().to(x2.dtype)) @ lin.lora_B.t().to(x2.dtype) * lin.lora_scale,
-                          (0, p - lin.out_features))
-        outs.append(o)
-        off += p
-    return torch.cat(outs, 1)
-
-
-def epilogue_path(qw, x) -> bool:
-    """Whether generation runs this NVFP4 linear through kernels.nvfp4_mm, whose epilogue adds the LoRA snapshot
-    (and, for gate_up, can apply SiLU x up): Triton, bf16, no autograd, fewer than LARGE_M tokens."""
-    return qw is not None and kernels._use_triton(x) and x.dtype == torch.bfloat16 \
-        and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled()
-
-
-def base_linear(mod, x, qw, gated: int = 0):
-    """x (M, in) -> (M, rows), a fresh tensor: the frozen base, NVFP4 through kernels (on CPU the reference, with the
-    dequantized weight cached) or bf16, plus the generation snapshot of its LoRA (mod.snap, lora.snapshot): added in
-    the NVFP4 GEMM's epilogue where that runs, else accumulated in place like the training adapters (lora.add_term).
-    gated=n (epilogue path only): silu(gate) * up (M, n) of a fused gate_up instead (kernels.nvfp4_mm)."""
-    if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
-        if getattr(mod, "_deq", None) is None:
-            mod._deq = kernels.dequantize_ref(qw, x.dtype)
-        y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
-    elif (mod.snap is not None or gated) and epilogue_path(qw, x):
-        x = x.contiguous()
-        snap = None if mod.snap is None else (x @ mod.snap[0].t(), mod.snap[1])
-        return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)
-    elif qw is not None:
-        y = kernels.nvfp4_linear(x, qw, mod.bias)
-    else:
-        y = F.linear(x, mod.weight, mod.bias)
-    return lora.add_term(y, x, mod.snap)
-
-
-class Fused(nn.Module):
-    """q/k/v (or gate/up) as ONE base GEMM: their rows concatenated (NVFP4 rows concatenate because the group
-    shares one global scale). The member Linears keep views of their rows (for export) and their LoRA."""
-
-    def __init__(self, lins):
-        super().__init__()
-        nv = lins[0].words is not None
-        self.pads = [lin.words.shape[1] if nv else lin.out_features for lin in lins]  # NVFP4 rows are padded to 128
-        self.in_features, self.n = lins[0].in_features, sum(self.pads)
-        cat = lambda ts, dim: torch.cat(ts, dim)  # noqa: E731
-        self.register_buffer("words", cat([lin.words for lin in lins], 1) if nv else None)
-        self.register_buffer("scales", cat([lin.scales for lin in lins], 1) if nv else None)
-        self.register_buffer("global_scale", lins[0].global_scale if nv else None)
-        self.register_buffer("weight", None if nv else cat([lin.weight for lin in lins], 0))
-        self.register_buffer("bias", None)
-        self.snap = None
-        if lins[0].bias is not None:
-            self.bias = cat([F.pad(lin.bias, (0, p - lin.out_features)) for lin, p in zip(lins, self.pads)], 0)
-        off = 0
-        for lin, p in zip(lins, self.pads):  # views, not copies
-            if nv:
-                lin.words, lin.scales = self.words[:, off:off + p], self.scales[:, off:off + p]
-            else:
-                lin.weight = self.weight[off:off + p]
-            off += p
-
-    def qw(self):
-        return None if self.words is None else \
-            kernels.NVFP4Weight(self.words, self.scales, self.global_scale, self.n, self.in_features)
-
-    def forward(self, x, lins, raw: bool = False):                            # -> one output per member
-        x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qw())                                  # (M, rows)
-        if self.snap is None:
-            y = lora_term(lins, self.pads, x2, y, self.training)
-        y, outs, off = y.view(*x.shape[:-1], -1), [], 0
-        if raw:                                                               # (..., rows), members at self.pads
-            return y
-        for lin, p in zip(lins, self.pads):
-            outs.append(y[..., off:off + lin.out_features])
-            off += p
-        return outs
-
-
-def fuse(mod, names) -> None:
-    lins = [getattr(mod, n) for n in names]
-    same = all(lin.words is not None for lin in lins) and all(torch.equal(lin.global_scale, lins[0].global_scale) for lin in lins)
-    if same or all(lin.weight is not None for lin in lins):
-        mod.fused = Fused(lins)
-
-
 class Norm(nn.Module):
-    """Holds an RMSNorm weight under HF's name (`...norm.weight`); frozen (set requires_grad to train it)."""
+    """Holds an RMSNorm weight under HF's name (`...norm.weight`); frozen (set requires_grad to
+    train it)."""
 
     def __init__(self, n: int):
         super().__init__()
@@ -219,12 +108,13 @@ class Layer(nn.Module):
         if cfg.qk_norm:
             a.q_norm, a.k_norm = Norm(D), Norm(D)
         m = self.mlp
-        m.gate_proj, m.up_proj = Linear(H, cfg.intermediate_size, False), Linear(H, cfg.intermediate_size, False)
+        m.gate_proj = Linear(H, cfg.intermediate_size, False)
+        m.up_proj = Linear(H, cfg.intermediate_size, False)
         m.down_proj = Linear(cfg.intermediate_size, H, False)
 
     def forward(self, h, d, cos, sin, mask, noise, cache, slots, kv_len):
-        """The hidden state is h + d (d: the previous layer's MLP output, None at layer 0): the residual add is
-        fused into this layer's first norm. Returns the next (h, d)."""
+        """The hidden state is h + d (d: the previous layer's MLP output, None at layer 0): the
+        residual add is fused into this layer's first norm. Returns the next (h, d)."""
         B, T, _ = h.shape
         cfg, a, m = self.cfg, self.self_attn, self.mlp
         z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
@@ -234,48 +124,35 @@ class Layer(nn.Module):
             x, h = rms_norm(d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], residual=h)
         q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x)
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
-        k, v = k.view(B, T, cfg.num_kv_heads, cfg.head_dim), v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps), rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
-        if mask.dim() == 2:   # a decode step (valid keys (B, S), one new token a row): RoPE, the cache write of the
+            q = rms_norm(q, a.q_norm.weight, cfg.rms_norm_eps)
+            k = rms_norm(k, a.k_norm.weight, cfg.rms_norm_eps)
+        if mask.dim() == 2:
+            # a decode step (valid keys (B, S), one new token a row): RoPE, the cache write of the
             # new key and value and the attention over kv_len slots in one kernel
-            ck, cv = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+            # (B, kv_heads, kv_len, D)
+            ck, cv = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]
             o = attention.decode_attention(q.transpose(1, 2), ck, cv, mask, cfg.head_dim ** -0.5,
-                                           new=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0], slots))
+                                           new=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0],
+                                                slots))
         else:
-            if cache is not None:  # generation: rotate q, k and write k, v to the T slots in one kernel
-                q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], cache.k[self.idx], cache.v[self.idx], slots)
-                k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]   # (B, kv_heads, kv_len, D)
+            if cache is not None:
+                # generation: rotate q, k and write k, v to the T slots in one kernel
+                ck, cv = cache.k[self.idx], cache.v[self.idx]
+                q = rope_cache(q, k, v, cos[:, 0], sin[:, 0], ck, cv, slots)
+                # (B, kv_heads, kv_len, D)
+                k, v = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]
             else:
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+                # (B, heads, T, D)
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5,
+                                               enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
         x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
         return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size))
-
-
-def project(mod, names, x):
-    """The member projections of a fused group in one GEMM (see Fused), or one by one."""
-    lins = [getattr(mod, n) for n in names]
-    fused = getattr(mod, "fused", None)
-    return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
-
-
-def mlp_act(mlp, x, n: int):
-    """silu(gate) * up (..., n). Where generation runs the fused gate_up through the Triton GEMMs and its LoRA, if any,
-    is the snapshot: in that GEMM's epilogue (one launch less a layer; same bits). Else gate and up side by side (the
-    fused output as it is, both members padded alike, or the two outputs concatenated), then ops.silu_mul."""
-    fused, x2, lins = getattr(mlp, "fused", None), x.reshape(-1, x.shape[-1]), [mlp.gate_proj, mlp.up_proj]
-    if fused is None:
-        gu = torch.cat([lin(x) for lin in lins], -1)                           # (..., 2 n)
-        return silu_mul(gu, n, n)
-    qw, lora_on = fused.qw(), any(lin.lora_A is not None and lin.lora_on for lin in lins)
-    if x2.shape[0] <= kernels.GATED_MAX_M and epilogue_path(qw, x2) and fused.pads[0] == fused.pads[1] \
-            and (fused.snap is not None or not lora_on):
-        return base_linear(fused, x2, qw, gated=n).view(*x.shape[:-1], n)
-    gu = fused(x, lins, raw=True)                                              # (..., rows): gate, then up
-    return silu_mul(gu, n, gu.shape[-1] // 2)
 
 
 class KVCache:
@@ -283,13 +160,16 @@ class KVCache:
 
     def __init__(self, cfg: Config, batch: int, max_len: int, device, dtype=torch.bfloat16):
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
 
 
-def attention_mask(valid_q: torch.Tensor, valid_k: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
-    """(B, T) valid queries, (B, S) valid keys, (T,) query slots -> (B, 1, T, S) bool: causal, valid keys; a padded
-    query row sees its own slot, so no row is empty (an empty row would give NaN that spreads through attention)."""
+def attention_mask(valid_q: torch.Tensor, valid_k: torch.Tensor,
+                   q_slots: torch.Tensor) -> torch.Tensor:
+    """(B, T) valid queries, (B, S) valid keys, (T,) query slots -> (B, 1, T, S) bool: causal, valid
+    keys; a padded query row sees its own slot, so no row is empty (an empty row would give NaN that
+    spreads through attention)."""
     k_slots = torch.arange(valid_k.shape[1], device=valid_k.device)
     causal = k_slots[None, :] <= q_slots[:, None]                              # (T, S)
     m = causal[None] & valid_k[:, None, :]                                     # (B, T, S)
@@ -306,7 +186,9 @@ class Model(nn.Module):
         self.model.embed_tokens.weight.requires_grad_(False)
         self.model.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = Norm(cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -320,44 +202,58 @@ class Model(nn.Module):
         """(name, Linear) for every decoder linear, with HF / PEFT module names."""
         return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
 
-    def forward(self, ids, positions, mask, cache: KVCache | None = None, slots=None, kv_len: int | None = None):
-        """ids, positions (B, T); mask (B, 1, T, S) bool or additive -> final hidden states (B, T, H), normed.
+    def forward(self, ids, positions, mask, cache: KVCache | None = None, slots=None,
+                kv_len: int | None = None):
+        """ids, positions (B, T); mask (B, 1, T, S) bool or additive -> final hidden states (B, T,
+        H), normed.
 
-        With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0, kv_len)."""
-        h, d = self.model.embed_tokens(ids), None                              # (B, T, H); hidden = h + d
+        With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0,
+        kv_len)."""
+        # (B, T, H); hidden = h + d
+        h, d = self.model.embed_tokens(ids), None
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         if (mask.dtype == torch.bool and cache is not None and ids.shape[1] == 1
                 and attention.usable(h, self.cfg.head_dim)):
-            mask = mask[:, 0, 0]      # a decode step: the valid keys (B, S) for attention.decode_attention
-        elif mask.dtype == torch.bool:  # additive, once: SDPA would convert a bool mask in every layer
-            mask = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            # a decode step: the valid keys (B, S) for attention.decode_attention
+            mask = mask[:, 0, 0]
+        elif mask.dtype == torch.bool:
+            # additive, once: SDPA would convert a bool mask in every layer
+            additive = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device)
+            mask = additive.masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:
             args = (cos, sin, mask, self.noise, cache, slots, kv_len)
             if self.grad_checkpoint and torch.is_grad_enabled() and cache is None:
-                h, d = checkpoint(layer, h if d is None else h + d, None, *args, use_reentrant=False)  # saves one
+                # saves one tensor a layer: the layer's input, h + d
+                x = h if d is None else h + d
+                h, d = checkpoint(layer, x, None, *args, use_reentrant=False)
             else:
                 h, d = layer(h, d, *args)
         return rms_norm(d, self.model.norm.weight, self.cfg.rms_norm_eps, residual=h)[0]
 
-    def logits(self, h):                                                       # (..., H) -> (..., V)
+    def logits(self, h):
+        # (..., H) -> (..., V)
         return F.linear(h, self.lm_weight())
 
     def forward_padded(self, ids, valid):
-        """Full sequences without a cache: ids (B, T) with `valid` (B, T) bool (padding anywhere) -> (B, T, H)."""
+        """Full sequences without a cache: ids (B, T) with `valid` (B, T) bool (padding anywhere) ->
+        (B, T, H)."""
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         slots = torch.arange(ids.shape[1], device=ids.device)
         return self(ids, positions, attention_mask(valid, valid, slots))
 
     @classmethod
-    def from_pretrained(cls, path: str, device="cpu", dtype=torch.bfloat16, quantize_on_load: bool = False) -> "Model":
-        """A HF folder or hub id: bf16/fp16/fp32, our NVFP4 (compressed-tensors), or bf16 quantized while loading."""
+    def from_pretrained(cls, path: str, device="cpu", dtype=torch.bfloat16,
+                        quantize_on_load: bool = False) -> "Model":
+        """A HF folder or hub id: bf16/fp16/fp32, our NVFP4 (compressed-tensors), or bf16 quantized
+        while loading."""
         folder = quantize.resolve_model_dir(str(path))
         raw = json.loads((folder / "config.json").read_text())
         cfg = config_from_hf(raw)
         qc = raw.get("quantization_config")
-        if qc and (qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "nvfp4-pack-quantized"):
-            raise ValueError(f"{folder}: only nvfp4-pack-quantized compressed-tensors checkpoints are supported, got "
-                             f"{qc.get('quant_method')} / {qc.get('format')}")
+        method = (qc or {}).get("quant_method"), (qc or {}).get("format")
+        if qc and method != ("compressed-tensors", "nvfp4-pack-quantized"):
+            raise ValueError(f"{folder}: only nvfp4-pack-quantized compressed-tensors checkpoints "
+                             f"are supported, got {method[0]} / {method[1]}")
         with torch.device("meta"):
             model = cls(cfg).to(dtype)
         model.to_empty(device=device)
@@ -369,17 +265,23 @@ class Model(nn.Module):
                 raise ValueError(f"{folder}: missing tensor {name}")
             f, meta, start = tensors[name]
             if list(meta["shape"]) != list(shape):
-                raise ValueError(f"{folder}: tensor {name} has shape {meta['shape']}, expected {list(shape)}")
-            return quantize.read_rows(f, meta, start, 0, shape[0] if shape else 1).to(device=device, dtype=dt).reshape(shape)
+                raise ValueError(f"{folder}: tensor {name} has shape {meta['shape']}, "
+                                 f"expected {list(shape)}")
+            t = quantize.read_rows(f, meta, start, 0, shape[0] if shape else 1)
+            return t.to(device=device, dtype=dt).reshape(shape)
 
         with torch.no_grad():
-            model.model.embed_tokens.weight.copy_(get("model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), dtype))
+            VH = (cfg.vocab_size, cfg.hidden_size)
+            model.model.embed_tokens.weight.copy_(get("model.embed_tokens.weight", VH, dtype))
             model.model.norm.weight.copy_(get("model.norm.weight", (cfg.hidden_size,), dtype))
             if model.lm_head is not None:
-                model.lm_head.weight.copy_(get("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), dtype))
+                model.lm_head.weight.copy_(get("lm_head.weight", VH, dtype))
+            norms = ("input_layernorm", "post_attention_layernorm")
+            if cfg.qk_norm:
+                norms += ("self_attn.q_norm", "self_attn.k_norm")
             for layer in model.model.layers:
                 p = f"model.layers.{layer.idx}."
-                for n in ("input_layernorm", "post_attention_layernorm") + (("self_attn.q_norm", "self_attn.k_norm") if cfg.qk_norm else ()):
+                for n in norms:
                     t = layer.get_parameter(n + ".weight")
                     t.copy_(get(p + n + ".weight", tuple(t.shape), dtype))
                 lins = [(n[len(p):], m) for n, m in model.linears() if n.startswith(p)]
@@ -387,21 +289,25 @@ class Model(nn.Module):
                 for n, lin in lins:
                     if lin.has_bias:
                         lin.bias = get(p + n + ".bias", (lin.out_features,), dtype)
+                    N, K = lin.out_features, lin.in_features
                     if p + n + ".weight_packed" in tensors:
                         lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
-                            get(p + n + ".weight_packed", (lin.out_features, lin.in_features // 2), torch.uint8),
-                            get(p + n + ".weight_scale", (lin.out_features, lin.in_features // 16), torch.float8_e4m3fn),
+                            get(p + n + ".weight_packed", (N, K // 2), torch.uint8),
+                            get(p + n + ".weight_scale", (N, K // 16), torch.float8_e4m3fn),
                             get(p + n + ".weight_global_scale", (1,), torch.float32))
                     else:
-                        bf16[p + n + ".weight"] = get(p + n + ".weight", (lin.out_features, lin.in_features), dtype)
-                if quantize_on_load and bf16:  # same math (and shared q/k/v, gate/up scales) as quantize.py
+                        bf16[p + n + ".weight"] = get(p + n + ".weight", (N, K), dtype)
+                if quantize_on_load and bf16:
+                    # same math (and shared q/k/v, gate/up scales) as quantize.py
                     q, _ = quantize.quantize_state_dict(bf16, device=device)
                     for k in [k for k in bf16 if k[:-len(".weight")] + ".weight_packed" in q]:
                         pre = k[:-len(".weight")]
                         bf16.pop(k)
-                        model.get_submodule(pre).words, model.get_submodule(pre).scales, model.get_submodule(pre).global_scale, *_ = \
-                            kernels.pack_nvfp4(q[pre + ".weight_packed"].to(device), q[pre + ".weight_scale"].to(device),
-                                               q[pre + ".weight_global_scale"].to(device))
+                        lin = model.get_submodule(pre)
+                        lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                            q[pre + ".weight_packed"].to(device),
+                            q[pre + ".weight_scale"].to(device),
+                            q[pre + ".weight_global_scale"].to(device))
                 for k, w in bf16.items():
                     model.get_submodule(k[:-len(".weight")]).weight = w
                 fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
@@ -412,8 +318,10 @@ class Model(nn.Module):
 def _list_quantized(folder: Path) -> dict:
     """Like quantize.list_tensors, for an already-quantized folder."""
     index = folder / "model.safetensors.index.json"
-    files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()}) if index.exists() \
-        else sorted(folder.glob("*.safetensors"))
+    if index.exists():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     out = {}
     for f in files:
         header, start = quantize.read_header(f)
@@ -425,8 +333,8 @@ def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, tempera
                    chunk: int = 1024, entropy: bool = False):
     """log p(targets) under softmax(logits / temperature) for hidden states h (N, H), targets (N,).
 
-    Chunks of `chunk` tokens: each chunk's fp32 (chunk, V) logits are recomputed in backward, never all kept.
-    Returns (logp (N,), entropy (N,) or None); the entropy carries no gradient.
+    Chunks of `chunk` tokens: each chunk's fp32 (chunk, V) logits are recomputed in backward, never
+    all kept. Returns (logp (N,), entropy (N,) or None); the entropy carries no gradient.
     """
     W = model.lm_weight()
     if h.shape[0] == 0:  # e.g. a micro-batch whose samples are all masked (--mask-truncated)
@@ -456,16 +364,19 @@ def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, tempera
 
 @torch.no_grad()
 def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """Token-by-token greedy decoding with a KV cache (a smoke test; rollout.py has the real engine)."""
+    """Token-by-token greedy decoding with a KV cache (a smoke test; rollout.py has the real
+    engine)."""
     dev = model.model.norm.weight.device
-    cache = KVCache(model.cfg, 1, len(ids) + max_new_tokens, dev, model.model.embed_tokens.weight.dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = KVCache(model.cfg, 1, len(ids) + max_new_tokens, dev, dtype)
     x = torch.tensor([ids], device=dev)
     out, pos = [], 0
     for _ in range(max_new_tokens):
         T = x.shape[1]
         slots = torch.arange(pos, pos + T, device=dev)
         valid = torch.ones(1, pos + T, dtype=torch.bool, device=dev)
-        h = model(x, slots[None], attention_mask(valid[:, pos:], valid, slots), cache, slots, pos + T)
+        mask = attention_mask(valid[:, pos:], valid, slots)
+        h = model(x, slots[None], mask, cache, slots, pos + T)
         nxt = int(model.logits(h[:, -1]).argmax(-1))
         out.append(nxt)
         if nxt in model.cfg.eos_token_ids:
@@ -475,25 +386,49 @@ def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="nanoqerl model smoke test: greedy continuation of one chat prompt.")
-    ap.add_argument("--model", required=True, help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
-    ap.add_argument("--prompt", default="What is 2+3?", help="user message, formatted with the chat template")
+    ap = argparse.ArgumentParser(
+        description="nanoqerl model smoke test: greedy continuation of one chat prompt; "
+                    "optionally with a LoRA adapter, and its merge into a bf16 model.")
+    ap.add_argument("--model", required=True,
+                    help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
+    ap.add_argument("--prompt", default="What is 2+3?",
+                    help="user message, formatted with the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
-    ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 checkpoint to NVFP4 while loading")
+    ap.add_argument("--quantize-on-load", action="store_true",
+                    help="quantize a bf16 checkpoint to NVFP4 while loading")
+    ap.add_argument("--adapter", default=None,
+                    help="a LoRA adapter folder to load "
+                         "(adapter_config.json + adapter_model.safetensors)")
+    ap.add_argument("--merge-to", default=None,
+                    help="with --adapter: write a merged bf16 HF folder here (and load it back)")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
     from transformers import AutoTokenizer
 
+    import lora  # adapters are attached from outside; lora.py never imports this file
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        model = Model.from_pretrained(args.model, device=dev, quantize_on_load=args.quantize_on_load)
-    except (ValueError, quantize.QuantizeError) as e:
+        if args.merge_to and not args.adapter:
+            raise ValueError("--merge-to needs --adapter: there is nothing to merge")
+        model = Model.from_pretrained(args.model, device=dev,
+                                      quantize_on_load=args.quantize_on_load)
+        if args.adapter:
+            cfg = lora.load_adapter(model, args.adapter)
+            n = len(lora.lora_parameters(model)) // 2
+            print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {n} linears")
+        if args.merge_to:
+            out = lora.export_merged(model, args.model, args.merge_to)
+            Model.from_pretrained(out)                        # the export must load back
+            print(f"wrote {out}")
+    except (ValueError, FileNotFoundError, FileExistsError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import data
 
     tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
-    print(tok.decode(greedy(model, data.prompt_token_ids(tok, args.prompt), args.max_new_tokens)))
+    ids = data.prompt_token_ids(tok, args.prompt)
+    print(tok.decode(greedy(model, ids, args.max_new_tokens)))
     return 0
 
 

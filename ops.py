@@ -1,11 +1,15 @@
-"""ops.py: the decoder's ops beside the NVFP4 GEMM (kernels.py), each Triton kernel beside its PyTorch reference:
-  rms_norm(x, weight, eps, noise=None, residual=None)   (residual add +) RMSNorm with weight + noise (AQN), fwd + bwd
-  rope_cos_sin / apply_rope    rotary position embeddings with HF's numerics; rope(x, cos, sin) the same, fwd + bwd
-  rope_cache(q, k, v, ...)     rotate q and k and write k and v to the KV cache during generation, one launch
+"""ops.py: the decoder's ops beside the NVFP4 GEMM (kernels.py), each Triton kernel beside its
+PyTorch reference:
+  rms_norm(x, weight, eps, noise=None, residual=None)
+                               (residual add +) RMSNorm with weight + noise (AQN), fwd + bwd
+  rope_cos_sin / apply_rope    rotary position embeddings with HF's numerics;
+                               rope(x, cos, sin) the same, fwd + bwd
+  rope_cache(q, k, v, ...)     rotate q and k and write k and v to the KV cache while generating
   silu_mul(gu, n, up_off)      the MLP's SiLU(gate) * up from the fused gate_up output, fwd + bwd
-  race_sample(logits, e, T)    the rollout's sampler: a token per row from softmax(logits / T) by the exponential race
+  race_sample(logits, e, T)    the rollout's sampler: a token per row from softmax(logits / T)
+                               by the exponential race
 
-    pytest tests/test_kernels.py -k "rms or rope or silu or race"     # kernels against references (CPU: TRITON_INTERPRET=1)
+    pytest tests/test_kernels.py -k "rms or rope or silu or race"   # against the references
 
 Default and llama3 rope types only; no partial rotary, no NTK / YaRN scaling. Used by model.py.
 """
@@ -23,12 +27,14 @@ if triton is not None:
 
 
 def rope_inv_freq(cfg) -> torch.Tensor:
-    """Inverse frequencies of a model.Config as HF computes them (default; llama3 smoothing when configured)."""
+    """Inverse frequencies of a model.Config as HF computes them (default; llama3 smoothing when
+    configured)."""
     D = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
     s = cfg.rope_scaling
     if s and s.get("rope_type", s.get("type")) == "llama3":
-        factor, lo, hi, old = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
         llama = torch.where(wavelen > old / lo, inv / factor, inv)
         smooth = (old / wavelen - lo) / (hi - lo)
@@ -54,9 +60,10 @@ def apply_rope(x, cos, sin):
 if triton is not None:
     @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2, dt: tl.constexpr, BACKWARD: tl.constexpr):
-        # the two halves of a rotated head vector, each product rounded to dt as in torch's op-by-op reference (exact
-        # where the kernel is compiled with enable_fp_fusion=False: else a product and the sum can become one FMA);
-        # BACKWARD: the transpose, dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+        # the two halves of a rotated head vector, each product rounded to dt as in torch's op-by-op
+        # reference (exact where the kernel is compiled with enable_fp_fusion=False: else a product
+        # and the sum can become one FMA); BACKWARD: the transpose, dx1 = dy1 c1 + dy2 s2, dx2 = dy2
+        # c2 - dy1 s1
         if BACKWARD:
             o1 = (x1 * c1).to(dt).to(tl.float32) + (x2 * s2).to(dt).to(tl.float32)
             o2 = (x2 * c2).to(dt).to(tl.float32) + (-(x1 * s1)).to(dt).to(tl.float32)
@@ -66,7 +73,8 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, HEADS, sxb, sxh, sxt, scb, sct, syb, syh, syt,
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, T, HEADS,
+                     sxb, sxh, sxt, scb, sct, syb, syh, syt,
                      BACKWARD: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr):
         bt, hb = tl.program_id(0), tl.program_id(1)           # (token, HB heads) per program
         b, t = (bt // T).to(tl.int64), bt % T
@@ -75,7 +83,8 @@ if triton is not None:
         hm = h < HEADS
         dt = y_ptr.dtype.element_ty
         src, dst = x_ptr + b * sxb + t * sxt + h * sxh, y_ptr + b * syb + t * syt + h * syh
-        x1, x2 = tl.load(src + i, mask=hm).to(tl.float32), tl.load(src + HALF + i, mask=hm).to(tl.float32)
+        x1 = tl.load(src + i, mask=hm).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=hm).to(tl.float32)
         cb, sb = cos_ptr + b * scb + t * sct, sin_ptr + b * scb + t * sct
         c1, c2 = tl.load(cb + i).to(tl.float32), tl.load(cb + HALF + i).to(tl.float32)
         s1, s2 = tl.load(sb + i).to(tl.float32), tl.load(sb + HALF + i).to(tl.float32)
@@ -86,12 +95,16 @@ if triton is not None:
 
 def _rope_launch(x, cos, sin, backward: bool):
     B, Hh, T, D = x.shape
-    y = torch.empty(B, T, Hh, D, dtype=x.dtype, device=x.device).transpose(1, 2)   # (B, heads, T, D), token-major
+    # (B, heads, T, D), token-major
+    y = torch.empty(B, T, Hh, D, dtype=x.dtype, device=x.device).transpose(1, 2)
     hb = min(8, triton.next_power_of_2(Hh))
-    _rope_kernel[(B * T, triton.cdiv(Hh, hb))](x, cos, sin, y, T, Hh, x.stride(0), x.stride(1), x.stride(2),
-                                               cos.stride(0), cos.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                                               BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4,
-                                               enable_fp_fusion=False)  # no FMA: each product rounded (HF's numerics)
+    _rope_kernel[(B * T, triton.cdiv(Hh, hb))](
+        x, cos, sin, y, T, Hh,
+        x.stride(0), x.stride(1), x.stride(2),
+        cos.stride(0), cos.stride(2),
+        y.stride(0), y.stride(1), y.stride(2),
+        BACKWARD=backward, HALF=D // 2, HB=hb, num_warps=4,
+        enable_fp_fusion=False)                      # no FMA: each product rounded (HF's numerics)
     return y
 
 
@@ -108,19 +121,22 @@ class _Rope(torch.autograd.Function):
 
 
 def rope(x, cos, sin):
-    """apply_rope in one launch per tensor, forward and backward (Triton on CUDA and under TRITON_INTERPRET=1):
-    x (B, heads, T, D) any strides with unit stride in D, cos / sin (B, 1, T, D); for the training forward."""
+    """apply_rope in one launch per tensor, forward and backward (Triton on CUDA and under
+    TRITON_INTERPRET=1): x (B, heads, T, D) any strides with unit stride in D, cos / sin (B, 1, T,
+    D); for the training forward."""
     half = x.shape[-1] // 2
-    if not (_use_triton(x) and half & (half - 1) == 0 and x.stride(-1) == 1 and cos.stride() == sin.stride()
-            and cos.stride(-1) == 1 and x.dtype == cos.dtype and not cos.requires_grad):
+    if not (_use_triton(x) and half & (half - 1) == 0 and x.stride(-1) == 1
+            and cos.stride() == sin.stride() and cos.stride(-1) == 1
+            and x.dtype == cos.dtype and not cos.requires_grad):
         return apply_rope(x, cos, sin)
     return _Rope.apply(x, cos, sin)
 
 
 
 def rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots):
-    """q, k, v (B, T, heads, D); cos, sin (B, T, D); cache_k/v (B, kv_heads, S, D); slots (T,). Writes the rotated k
-    and v to the cache at `slots`; returns the rotated q as (B, heads, T, D)."""
+    """q, k, v (B, T, heads, D); cos, sin (B, T, D); cache_k/v (B, kv_heads, S, D); slots (T,).
+    Writes the rotated k and v to the cache at `slots`; returns the rotated q as (B, heads, T,
+    D)."""
     def rot(x):
         return apply_rope(x, cos[:, :, None], sin[:, :, None])
     cache_k.index_copy_(2, slots, rot(k).transpose(1, 2))
@@ -130,9 +146,9 @@ def rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots):
 
 if triton is not None:
     @triton.jit
-    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ck_ptr, cv_ptr, slot_ptr, T, HQ, HK,
-                           sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sob, soh, sot, scacheb, scacheh,
-                           scaches, HALF: tl.constexpr):
+    def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, ck_ptr, cv_ptr, slot_ptr,
+                           T, HQ, HK, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, scb, sct,
+                           sob, soh, sot, scacheb, scacheh, scaches, HALF: tl.constexpr):
         bt, h = tl.program_id(0), tl.program_id(1)           # one (token, head) vector per program
         b, t = (bt // T).to(tl.int64), bt % T
         i = tl.arange(0, HALF)
@@ -159,45 +175,55 @@ if triton is not None:
 
 
 def rope_cache(q, k, v, cos, sin, cache_k, cache_v, slots):
-    """rope_cache_ref in one launch (Triton on CUDA and under TRITON_INTERPRET=1), for generation only: no autograd."""
+    """rope_cache_ref in one launch (Triton on CUDA and under TRITON_INTERPRET=1), for generation
+    only: no autograd."""
     D = q.shape[-1]
     half = D // 2
-    usable = (_use_triton(q) and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-              and half & (half - 1) == 0 and all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, cache_k))
-              and cache_k.stride() == cache_v.stride() and cos.stride() == sin.stride() and q.dtype == cos.dtype)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    unit = all(t.stride(-1) == 1 for t in (q, k, v, cos, sin, cache_k))
+    usable = (_use_triton(q) and not grads and half & (half - 1) == 0 and unit
+              and cache_k.stride() == cache_v.stride() and cos.stride() == sin.stride()
+              and q.dtype == cos.dtype)
     if not usable:
         return rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots)
     B, T, HQ, _ = q.shape
     HK = k.shape[2]
     qo = torch.empty(B, HQ, T, D, dtype=q.dtype, device=q.device)
     _rope_cache_kernel[(B * T, HQ + 2 * HK)](
-        q, k, v, cos, sin, qo, cache_k, cache_v, slots, T, HQ, HK, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *cos.stride()[:2], *qo.stride()[:3], *cache_k.stride()[:3], HALF=half, num_warps=1, enable_fp_fusion=False)
+        q, k, v, cos, sin, qo, cache_k, cache_v, slots, T, HQ, HK,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *cos.stride()[:2], *qo.stride()[:3],
+        *cache_k.stride()[:3], HALF=half, num_warps=1, enable_fp_fusion=False)
     return qo
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # SiLU(gate) * up in one pass (the MLP between gate_up and down), rounded like torch's two ops
 
 def silu_mul_ref(gu, n: int, up_off: int):
-    """Reference: silu(gate) * up for gu (..., W) holding gate in columns [0, n) and up in [up_off, up_off + n)."""
+    """Reference: silu(gate) * up for gu (..., W) holding gate in columns [0, n) and up in [up_off,
+    up_off + n)."""
     return torch.nn.functional.silu(gu[..., :n]) * gu[..., up_off:up_off + n]
 
 
 if triton is not None:
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, dy_ptr, y_ptr, N, UP, stride_gu, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, dy_ptr, y_ptr, N, UP, stride_gu,
+                         BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         row, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < N
         dt = y_ptr.dtype.element_ty
         g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * stride_gu + UP + cols, mask=m, other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-g))
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)                      # silu, rounded as torch does
-        if BACKWARD:  # y (rows, W) receives d gate and d up at the columns of gate and up, rounded like torch's ops
+        # silu, rounded as torch does
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        if BACKWARD:
+            # y (rows, W) receives d gate and d up at the columns of gate and up, rounded like
+            # torch's ops
             dy = tl.load(dy_ptr + row * N + cols, mask=m, other=0.0).to(tl.float32)
             ds = (dy * u).to(dt).to(tl.float32)
-            tl.store(y_ptr + row * stride_gu + cols, (ds * sig * (1.0 + g * (1.0 - sig))).to(dt), mask=m)
+            dg = ds * sig * (1.0 + g * (1.0 - sig))
+            tl.store(y_ptr + row * stride_gu + cols, dg.to(dt), mask=m)
             tl.store(y_ptr + row * stride_gu + UP + cols, (dy * s).to(dt), mask=m)
         else:
             tl.store(y_ptr + row * N + cols, (s * u).to(dt), mask=m)
@@ -205,10 +231,15 @@ if triton is not None:
 
 def _silu_mul_launch(gu2, n, up_off, dy2=None):
     rows, W = gu2.shape
-    y = torch.empty(rows, n, dtype=gu2.dtype, device=gu2.device) if dy2 is None else \
-        (torch.empty_like(gu2) if W == 2 * n and up_off == n else torch.zeros_like(gu2))   # padding columns: 0
-    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gu2, dy2 if dy2 is not None else gu2, y, n, up_off, gu2.stride(0),
-                                                   BACKWARD=dy2 is not None, BLOCK=1024)
+    if dy2 is None:
+        y = torch.empty(rows, n, dtype=gu2.dtype, device=gu2.device)
+    elif W == 2 * n and up_off == n:
+        y = torch.empty_like(gu2)
+    else:
+        y = torch.zeros_like(gu2)                                     # padding columns: 0
+    _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](
+        gu2, dy2 if dy2 is not None else gu2, y, n, up_off, gu2.stride(0),
+        BACKWARD=dy2 is not None, BLOCK=1024)
     return y
 
 
@@ -226,11 +257,12 @@ class _SiluMul(torch.autograd.Function):
 
 
 def silu_mul(gu, n: int, up_off: int):
-    """silu(gate) * up (..., n) from the fused gate_up output gu (..., W): gate in columns [0, n), up in
-    [up_off, up_off + n). One Triton kernel forward and one backward, whose gradient is one (..., W) tensor, so
-    autograd makes no per-half zero-filled copies."""
+    """silu(gate) * up (..., n) from the fused gate_up output gu (..., W): gate in columns [0, n),
+    up in [up_off, up_off + n). One Triton kernel forward and one backward, whose gradient is one
+    (..., W) tensor, so autograd makes no per-half zero-filled copies."""
     if not (0 < n <= up_off and up_off + n <= gu.shape[-1]):
-        raise ValueError(f"gate [0, {n}) and up [{up_off}, {up_off + n}) must be disjoint columns of gu (width {gu.shape[-1]})")
+        raise ValueError(f"gate [0, {n}) and up [{up_off}, {up_off + n}) must be disjoint "
+                         f"columns of gu (width {gu.shape[-1]})")
     if not _use_triton(gu):
         return silu_mul_ref(gu, n, up_off)
     gu2 = gu.reshape(-1, gu.shape[-1])                                             # (rows, W)
@@ -238,22 +270,25 @@ def silu_mul(gu, n: int, up_off: int):
     return _SiluMul.apply(gu2, n, up_off).view(*gu.shape[:-1], n)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# RMSNorm with an AQN noise vector: y = (weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF numerics. weight + noise
-# is formed in fp32 and multiplied in fp32, one rounding to the output: rounded to bf16 first, w + z would equal w for
-# |w| in [0.5, 2] and sigma <= 7e-4 (half a bf16 ulp there is 2e-3 to 4e-3), so the late AQN stages would add nothing.
+# --------------------------------------------------------------------------------------------------
+# RMSNorm with an AQN noise vector: y = (weight + noise) * bf16(x * rsqrt(mean(x^2) + eps)), HF
+# numerics. weight + noise is formed in fp32 and multiplied in fp32, one rounding to the output:
+# rounded to bf16 first, w + z would equal w for |w| in [0.5, 2] and sigma <= 7e-4 (half a bf16 ulp
+# there is 2e-3 to 4e-3), so the late AQN stages would add nothing.
 
 def rms_norm_ref(x, weight, eps: float, noise=None, residual=None):
-    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers), returns (y, h).
-    Without noise y = weight * x_hat as HF computes it; with noise y = (weight + noise in fp32) * x_hat rounded once to
-    the dtype HF's product has (torch's promotion of weight and x), so a zero noise gives HF's y bit for bit."""
+    """Reference (differentiable). With residual: h = x + residual (rounded like the HF layers),
+    returns (y, h). Without noise y = weight * x_hat as HF computes it; with noise y = (weight +
+    noise in fp32) * x_hat rounded once to the dtype HF's product has (torch's promotion of weight
+    and x), so a zero noise gives HF's y bit for bit."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
     xf = h.float()
     xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     if noise is None:
         y = weight * xn
     else:
-        w = weight.float() + noise.float()                                  # (H,) fp32: keeps the small z
+        # (H,) fp32: keeps the small z
+        w = weight.float() + noise.float()
         y = (w * xn.float()).to(torch.promote_types(weight.dtype, h.dtype))
     return y if residual is None else (y, h)
 
@@ -267,28 +302,34 @@ if triton is not None:
         mask = cols < H
         x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
         if HAS_RES:
-            x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            r = tl.load(r_ptr + row * H + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
             tl.store(h_ptr + row * H + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NOISE:   # weight + noise stays fp32 (rounded to bf16 the late, small noise would vanish)
+        if HAS_NOISE:
+            # weight + noise stays fp32 (rounded to bf16 the late, small noise would vanish)
             w += tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         xn = (xf * rstd).to(x.dtype).to(tl.float32)
         tl.store(y_ptr + row * H + cols, (w * xn).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, z_ptr, rstd_ptr, dx_ptr, dw_ptr, M, H, ROWS_PER_PROG,
+    def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, z_ptr, rstd_ptr, dx_ptr, dw_ptr,
+                        M, H, ROWS_PER_PROG,
                         HAS_DH: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NOISE:   # dX sees the forward's effective weight, weight + noise in fp32; dW needs no noise term,
+        if HAS_NOISE:
+            # dX sees the forward's effective weight, weight + noise in fp32; dW needs no noise
+            # term,
             w += tl.load(z_ptr + cols, mask=mask, other=0.0).to(tl.float32)   # d(w + z)/dw = 1
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in tl.range(0, ROWS_PER_PROG, num_stages=3):  # masked, not branched: the loads of later rows go ahead
+        for i in tl.range(0, ROWS_PER_PROG, num_stages=3):
+            # masked, not branched: the loads of later rows go ahead
             row = (pid * ROWS_PER_PROG + i).to(tl.int64)
             rm = mask & (row < M)
             rstd = tl.load(rstd_ptr + row, mask=row < M, other=0.0)
@@ -318,8 +359,9 @@ class _RMSNorm(torch.autograd.Function):
         h = torch.empty_like(x2) if r2 is not None else x2
         rstd = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
         z = noise.contiguous() if noise is not None else weight
-        _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd, H, eps,
-                                        HAS_RES=r2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
+        _rms_fwd_kernel[(x2.shape[0],)](x2, r2 if r2 is not None else x2, weight, z, y, h, rstd,
+                                        H, eps, HAS_RES=r2 is not None,
+                                        HAS_NOISE=noise is not None, **_rms_config(H))
         ctx.save_for_backward(h, weight, noise, rstd)
         ctx.has_res = residual is not None
         y = y.reshape(x.shape)
@@ -330,23 +372,28 @@ class _RMSNorm(torch.autograd.Function):
         h, weight, noise, rstd = ctx.saved_tensors
         H = h.shape[-1]
         M = h.shape[0]
-        progs = min(M, 2 * (torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2))
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2
+        progs = min(M, 2 * sms)
         per = -(-M // progs)
         dx = torch.empty_like(h)
         dw = torch.empty(progs, H, dtype=torch.float32, device=h.device)
         dh2 = dh.reshape(-1, H).contiguous() if dh is not None else None
-        _rms_bwd_kernel[(progs,)](dy.reshape(-1, H).contiguous(), dh2 if dh2 is not None else dx, h, weight,
+        _rms_bwd_kernel[(progs,)](dy.reshape(-1, H).contiguous(),
+                                  dh2 if dh2 is not None else dx, h, weight,
                                   noise if noise is not None else weight, rstd, dx, dw, M, H, per,
-                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None, **_rms_config(H))
+                                  HAS_DH=dh2 is not None, HAS_NOISE=noise is not None,
+                                  **_rms_config(H))
         dx = dx.reshape(dy.shape)
         dweight = dw.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dweight, None, None, (dx if ctx.has_res else None)
 
 
 def rms_norm(x, weight, eps: float, noise=None, residual=None):
-    """Fused (residual add +) RMSNorm whose effective weight is weight + noise. Returns y, or (y, x + residual).
+    """Fused (residual add +) RMSNorm whose effective weight is weight + noise. Returns y, or (y, x
+    + residual).
 
-    Triton on CUDA (and under TRITON_INTERPRET=1), the reference otherwise; both are differentiable (dX, dW).
+    Triton on CUDA (and under TRITON_INTERPRET=1), the reference otherwise; both are differentiable
+    (dX, dW).
     """
     H = x.shape[-1]
     if weight.shape != (H,) or (noise is not None and noise.shape != (H,)):
@@ -359,13 +406,13 @@ def rms_norm(x, weight, eps: float, noise=None, residual=None):
     return _RMSNorm.apply(x, weight, eps, noise, residual)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sampling: the exponential race in one read of the logits (chunks of a row, then a merge)
 
 def race_sample_ref(logits, e, temperature: float):
-    """Reference. logits (B, V), e (B, V) Exp(1) noise -> tokens (B,) int64, logprobs (B,) fp32 with z = logits / T:
-    token = argmax_i z_i - log e_i (= argmax p_i / e_i: an exact draw from softmax(z); -inf logits never win),
-    logprob = z_token - logsumexp(z)."""
+    """Reference. logits (B, V), e (B, V) Exp(1) noise -> tokens (B,) int64, logprobs (B,) fp32 with
+    z = logits / T: token = argmax_i z_i - log e_i (= argmax p_i / e_i: an exact draw from
+    softmax(z); -inf logits never win), logprob = z_token - logsumexp(z)."""
     z = logits.float() * (1.0 / temperature)                                   # (B, V)
     s = torch.where(z == float("-inf"), float("-inf"), z - e.float().log())
     tok = s.argmax(-1)
@@ -375,22 +422,29 @@ def race_sample_ref(logits, e, temperature: float):
 if triton is not None:
     @triton.jit
     def _race_reduce(m, l, best, arg, NONE):
-        # over lanes (or chunks): the max z, the sum of exp(z - max), the best race score and its first index
+        # over lanes (or chunks): the max z, the sum of exp(z - max), the best race score and its
+        # first index
         mx, top = tl.max(m, 0), tl.max(best, 0)
         lsum = tl.sum(tl.where(m == float("-inf"), 0.0, l * tl.exp(m - mx)), 0)
         return mx, lsum, top, tl.min(tl.where(best == top, arg, NONE), 0)
 
     @triton.jit
-    def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t, BLOCK: tl.constexpr):
-        # program (row, chunk): per lane a running race winner and an online logsumexp over the chunk's CH logits,
-        # reduced across lanes to 4 partials (max z, sum exp(z - max), best race score, its index)
+    def _race_part_kernel(z_ptr, e_ptr, part_ptr, V, CH, stride_z, stride_e, inv_t,
+                          BLOCK: tl.constexpr):
+        # program (row, chunk): per lane a running race winner and an online logsumexp over the
+        # chunk's CH logits, reduced across lanes to 4 partials (max z, sum exp(z - max), best race
+        # score, its index)
         row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         NEG: tl.constexpr = float("-inf")
-        m = tl.full((BLOCK,), NEG, tl.float32)                                 # running max of z per lane
-        l = tl.zeros((BLOCK,), tl.float32)                                     # sum of exp(z - m) per lane
-        best = tl.full((BLOCK,), NEG, tl.float32)                              # best race score per lane
-        arg = tl.zeros((BLOCK,), tl.int32)                                     # its index (first on ties)
+        # running max of z per lane
+        m = tl.full((BLOCK,), NEG, tl.float32)
+        # sum of exp(z - m) per lane
+        l = tl.zeros((BLOCK,), tl.float32)
+        # best race score per lane
+        best = tl.full((BLOCK,), NEG, tl.float32)
+        # its index (first on ties)
+        arg = tl.zeros((BLOCK,), tl.int32)
         for v0 in range(c * CH, tl.minimum(c * CH + CH, V), BLOCK):
             i = v0 + offs
             z = tl.load(z_ptr + row * stride_z + i, mask=i < V, other=NEG) * inv_t
@@ -410,7 +464,8 @@ if triton is not None:
 
     @triton.jit
     def _race_merge_kernel(z_ptr, part_ptr, tok_ptr, lp_ptr, C, stride_z, inv_t, BC: tl.constexpr):
-        # one row per program: the chunks' partials -> the winner (first index among ties) and its log-probability
+        # one row per program: the chunks' partials -> the winner (first index among ties) and its
+        # log-probability
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BC)
         NEG: tl.constexpr = float("-inf")
@@ -425,25 +480,29 @@ if triton is not None:
 
 
 def race_sample(logits, e, temperature: float, chunks: int | None = None):
-    """Draw one token per row from softmax(logits / T) given Exp(1) noise e (see race_sample_ref); Triton on CUDA:
-    one read of logits and noise instead of a log-softmax, an exp, a division, an argmax and a gather. Each row is
-    cut into `chunks` pieces (default: enough for about 256 programs) whose partial results a second launch
-    merges: at batch 1 / 16 / 64, 5.7 / 11.7 / 40.9 us for 152k logits against 67 / 68 / 109 us with one program
-    a row (`python bench.py kernels --parts sampler`, H100)."""
+    """Draw one token per row from softmax(logits / T) given Exp(1) noise e (see race_sample_ref);
+    Triton on CUDA: one read of logits and noise instead of a log-softmax, an exp, a division, an
+    argmax and a gather. Each row is cut into `chunks` pieces (default: enough for about 256
+    programs) whose partial results a second launch merges: at batch 1 / 16 / 64, 5.7 / 11.7 / 40.9
+    us for 152k logits against 67 / 68 / 109 us with one program a row (`python -m bench kernels
+    --parts sampler`, H100)."""
     if logits.shape != e.shape or logits.dim() != 2:
-        raise ValueError(f"logits and noise must be (B, V) of one shape, got {tuple(logits.shape)}, {tuple(e.shape)}")
-    if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32 and logits.stride(-1) == e.stride(-1) == 1
-            and logits.shape[1] < 2 ** 24):                                   # the partials hold indices as fp32
+        raise ValueError(f"logits and noise must be (B, V) of one shape, got "
+                         f"{tuple(logits.shape)}, {tuple(e.shape)}")
+    if not (_use_triton(logits) and logits.dtype == e.dtype == torch.float32
+            and logits.stride(-1) == e.stride(-1) == 1
+            and logits.shape[1] < 2 ** 24):                 # the partials hold indices as fp32
         return race_sample_ref(logits, e, temperature)
     (B, V), BLOCK = logits.shape, 2048
     C = chunks or max(1, min(256 // B, triton.cdiv(V, BLOCK)))
-    CH = triton.cdiv(triton.cdiv(V, C), BLOCK) * BLOCK                       # logits per chunk, whole blocks
+    # logits per chunk, whole blocks
+    CH = triton.cdiv(triton.cdiv(V, C), BLOCK) * BLOCK
     C = triton.cdiv(V, CH)
     part = torch.empty(B, C, 4, dtype=torch.float32, device=logits.device)
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _race_part_kernel[(B, C)](logits, e, part, V, CH, logits.stride(0), e.stride(0), 1.0 / temperature, BLOCK=BLOCK,
-                              num_warps=8)
+    _race_part_kernel[(B, C)](logits, e, part, V, CH, logits.stride(0), e.stride(0),
+                              1.0 / temperature, BLOCK=BLOCK, num_warps=8)
     _race_merge_kernel[(B,)](logits, part, tok, lp, C, logits.stride(0), 1.0 / temperature,
                              BC=max(16, triton.next_power_of_2(C)), num_warps=1)
     return tok, lp

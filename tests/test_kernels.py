@@ -125,7 +125,7 @@ def test_gemm_k_sliced(device, M, N, Kd, BM, BN, KS):
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("KS,warps", [(2, 4), (4, 8)])
 def test_gemm_k_sliced_two_warps_a_slice(device, M, KS, warps):
-    """Two warps a K slice (rows split between them; bench_sweep's ks configs time these) give the right sums at 1-8
+    """Two warps a K slice (rows split between them; bench/sweep.py's ks configs time these) give the right sums at 1-8
     tokens. (Fewer warps than slices did not on the H100, at one token: nvfp4_mm refuses those, see test_errors.)"""
     w, _ = make_weight(96, 1104, seed=M, device=device)
     x = torch.randn(M, 1104, generator=torch.Generator().manual_seed(M)).to(device, torch.bfloat16)

@@ -356,3 +356,20 @@ def test_cli_greedy_and_make_tiny(tmp_path, capsys):
     assert M.main(["--model", str(tmp_path / "t"), "--max-new-tokens", "4"]) == 0
     assert tiny.main([str(tmp_path / "t")]) == 2
     assert M.main(["--model", str(tmp_path / "nope")]) == 2
+
+
+def test_cli_adapter_and_merge(tmp_path, capsys):
+    """model.py's CLI loads a LoRA adapter and merges it into a bf16 folder that loads back (lora.py has no CLI:
+    it never imports model.py); --merge-to without an adapter is refused in one line."""
+    import tiny
+    assert tiny.main([str(tmp_path / "t"), "--arch", "qwen2"]) == 0
+    m = M.Model.from_pretrained(tmp_path / "t")
+    lora.add_lora(m, rank=2, alpha=4, targets=("q_proj",))
+    lora.save_adapter(m, tmp_path / "ad")
+    argv = ["--model", str(tmp_path / "t"), "--adapter", str(tmp_path / "ad"), "--max-new-tokens", "2"]
+    assert M.main(argv + ["--merge-to", str(tmp_path / "merged")]) == 0
+    out = capsys.readouterr().out
+    assert "loaded r=2 alpha=4" in out and f"wrote {tmp_path / 'merged'}" in out
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    assert M.main(["--model", str(tmp_path / "t"), "--merge-to", str(tmp_path / "m2")]) == 2
+    assert "--merge-to needs --adapter" in capsys.readouterr().err

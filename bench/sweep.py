@@ -1,7 +1,8 @@
-"""bench_sweep.py: the candidate GEMM tile configs that `python bench.py kernels --sweep` times, and their compilation
+"""bench/sweep.py: the candidate GEMM tile configs that `python -m bench kernels --sweep` times, and their compilation
 in parallel processes (so the timing process finds every config cached); the ablation of the GEMM main loop that
-`python bench.py kernels --parts ablate` times; kernels_ws's GEMM against the Triton one (`--parts ws`) and where
-its programs' time goes (`--parts stamps`); the read floor of the GEMM table. Imported by bench.py; needs a CUDA GPU.
+`python -m bench kernels --parts ablate` times; kernels_ws's GEMM against the Triton one (`--parts ws`) and where
+its programs' time goes (`--parts stamps`); the read floor of the GEMM table. Imported by bench/kernel_speed.py
+and the entry point; needs a CUDA GPU.
 """
 import json
 import sys
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-import bench
+from bench import common
 from kernels import _dequant_regs, split_k
 
 
@@ -113,14 +114,14 @@ def _read_kernel(w_ptr, s_ptr, out_ptr, NW, NS, PER_W, PER_S, BLOCK: tl.constexp
 
 def read_floor_us(wq) -> float:
     """Microseconds to read one NVFP4 weight's words and scales from HBM (rotating over the copies wq), the fastest
-    of a few grid sizes and pipeline depths (bench.py kernels' "read floor": an estimate; the K-sliced GEMM has read
-    gate_up faster than this kernel did, KERNELS.md)."""
+    of a few grid sizes and pipeline depths (`python -m bench kernels`' "read floor": an estimate; the K-sliced GEMM
+    has read gate_up faster than this kernel did, KERNELS.md)."""
     NW, NS = wq[0].words.numel(), wq[0].scales.numel()
     best = float("inf")
     for P, BLOCK, stages in ((1056, 1024, 3), (1056, 1024, 4), (2112, 2048, 3), (2112, 2048, 4)):
         out = torch.empty(P, dtype=torch.int32, device="cuda")
         pw, ps = -(-NW // P // BLOCK) * BLOCK, -(-NS // P // BLOCK) * BLOCK
-        best = min(best, bench.graph_time_us([lambda w=w: _read_kernel[(P,)](
+        best = min(best, common.graph_time_us([lambda w=w: _read_kernel[(P,)](
             w.words, w.scales, out, NW, NS, pw, ps, BLOCK=BLOCK, num_warps=8, num_stages=stages) for w in wq], reps=3))
     return best
 
@@ -181,15 +182,15 @@ def _ablate_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, NP
 
 
 def ablate(out: dict):
-    """python bench.py kernels --parts ablate: gate_up (no split) and qkv (split in K) at M = 16 and 64, with the
+    """python -m bench kernels --parts ablate: gate_up (no split) and qkv (split in K) at M = 16 and 64, with the
     dispatch table's configs, each variant against bf16 F.linear in the same run."""
     import kernels
 
     rows = []
     for name in ("gate_up", "qkv"):
-        N, K = bench.SHAPES_7B[name]
-        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
-        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+        N, K = common.SHAPES_7B[name]
+        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(common.copies_for(N * K * 2))]
+        _, wq = common.random_nvfp4(N, K, common.copies_for(N * K * 9 // 16))
         for M in (16, 64):
             cfg = kernels.mm_config(M, N, K)
             KT = wq[0].words.shape[0]
@@ -207,12 +208,12 @@ def ablate(out: dict):
 
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(run(x, wq[0], 0), kernels.nvfp4_mm(x, wq[0])), "mode 0 must be the real kernel"
-            t_bf = bench.graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
+            t_bf = common.graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb])
             modes = ((None, "kernels.nvfp4_mm itself"), (0, "as in kernels.py"), (1, "no token traffic in the loop"),
                      (2, "tokens via L1 (8-byte .ca)"))
             for mode, what in modes + (((3, "partials parked, no fixup"),) if split > 1 else ()):
                 f = (lambda w: kernels.nvfp4_mm(x, w)) if mode is None else (lambda w, mode=mode: run(x, w, mode))
-                t = bench.graph_time_us([lambda w=w, f=f: f(w) for w in wq])
+                t = common.graph_time_us([lambda w=w, f=f: f(w) for w in wq])
                 rows.append(dict(shape=name, M=M, split=split, variant=what, us=t, speedup=t_bf / t))
                 print(f"{name:7s} M={M:3d} split {split:2d}  {what:30s} {t:7.1f} us  {t_bf / t:.2f}x bf16 "
                       f"({t_bf:.1f} us)", flush=True)
@@ -220,14 +221,14 @@ def ablate(out: dict):
 
 
 def splits(out: dict):
-    """python bench.py kernels --parts splits: every split-K count (not only the sweep's powers of two) per
+    """python -m bench kernels --parts splits: every split-K count (not only the sweep's powers of two) per
     shape at M = 1 / 16 / 64, with the dispatch table's split-K tile (at M = 1 the dispatch runs the K-sliced
     kernel); prints the dispatch table's choice against the fastest."""
     import kernels
 
     rows = []
-    for name, (N, K) in bench.SHAPES_7B.items():
-        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+    for name, (N, K) in common.SHAPES_7B.items():
+        _, wq = common.random_nvfp4(N, K, common.copies_for(N * K * 9 // 16))
         KT = -(-K // 128)
         for M in (1, 16, 64):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -238,7 +239,7 @@ def splits(out: dict):
             for s in effective:
                 c = dict(base, SPLIT_K=s)
                 torch.testing.assert_close(kernels.nvfp4_mm(x, wq[0], config=c), ref, rtol=0.02, atol=0.07)
-                times[s] = bench.graph_time_us([lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq])
+                times[s] = common.graph_time_us([lambda w=w, c=c: kernels.nvfp4_mm(x, w, config=c) for w in wq])
             chosen = split_k(KT, base["SPLIT_K"])[0]
             best = min(times, key=times.get)
             rows.append(dict(shape=name, M=M, chosen=chosen, best=best, us=times))
@@ -265,7 +266,7 @@ def ws_alternatives(M, N, K, sms=132):
 
 
 def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
-    """python bench.py kernels --parts ws: kernels_ws's warp-specialized GEMM (each token tile, register budget and K
+    """python -m bench kernels --parts ws: kernels_ws's warp-specialized GEMM (each token tile, register budget and K
     split) against kernels.py's Triton GEMM (its mm_config) and bf16 F.linear, per 7B shape and token count, in one
     run, with the choice kernels.nvfp4_mm makes (kernels_ws.ws_config)."""
     import kernels
@@ -274,9 +275,9 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
     rows = []
     name_of = lambda c: (f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}"                  # noqa: E731
                          + (f"/s{c['S']}" if "S" in c else ""))
-    for name, (N, K) in bench.SHAPES_7B.items():
-        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(bench.copies_for(N * K * 2))]
-        _, wq = bench.random_nvfp4(N, K, bench.copies_for(N * K * 9 // 16))
+    for name, (N, K) in common.SHAPES_7B.items():
+        wb = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(common.copies_for(N * K * 2))]
+        _, wq = common.random_nvfp4(N, K, common.copies_for(N * K * 9 // 16))
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             tri = kernels.mm_config(M, N, K)
@@ -288,7 +289,7 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
             for c in alts:
                 d = (kernels_ws.ws_mm(x, wq[0], config=c).float() - ref).abs().max().item()
                 assert d <= 0.02 * ref.abs().max().item(), (name, M, c, d)      # another summation order only
-            t = bench.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
+            t = common.paired_us([lambda w=w: torch.nn.functional.linear(x, w) for w in wb],
                                 [lambda w=w: kernels.nvfp4_mm(x, w, config=tri) for w in wq],
                                 *[[lambda w=w, c=c: kernels_ws.ws_mm(x, w, config=c) for w in wq] for c in alts])
             best = min(range(len(alts)), key=lambda i: t[2 + i])
@@ -303,7 +304,7 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
 
 
 def stamps(out: dict):
-    """python bench.py kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
+    """python -m bench kernels --parts stamps: where a warp-specialized program's time goes, from the global timer
     read by each program at its start, when its first tile has landed, after its K loop and after its store (the
     split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
     qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
@@ -316,8 +317,8 @@ def stamps(out: dict):
                          ("qkv", 64, dict(BM=64, maxnreg=128, SPLIT=2)), ("gate_up", 64, dict(BM=64, maxnreg=128)),
                          ("qkv", 256, dict(BM=128, maxnreg=None)), ("qkv", 256, dict(BM=256, maxnreg=None)),
                          ("o", 512, dict(BM=256, maxnreg=None))]:
-        N, K = bench.SHAPES_7B[name]
-        _, (w,) = bench.random_nvfp4(N, K, 1)
+        N, K = common.SHAPES_7B[name]
+        _, (w,) = common.random_nvfp4(N, K, 1)
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         programs = -(-N // kernels_ws.BN) * -(-M // cfg["BM"]) * cfg.get("SPLIT", 1)
         st = torch.zeros(programs, 4, dtype=torch.int64, device="cuda")
@@ -347,7 +348,7 @@ def stamps(out: dict):
 
 
 def sampler(out: dict):
-    """python bench.py kernels --parts sampler: ops.race_sample over Qwen's 152064 logits at the rollout's batch
+    """python -m bench kernels --parts sampler: ops.race_sample over Qwen's 152064 logits at the rollout's batch
     sizes, its default chunks of a row against one chunk a row (one program a row: the sampler before the chunks),
     in one run; logits and noise stay in L2 between calls, as the logits do after the lm_head that writes them."""
     import ops
@@ -356,20 +357,20 @@ def sampler(out: dict):
     for B in (1, 16, 64, 256):
         z = torch.randn(B, 152064, device="cuda")
         e = torch.empty_like(z).exponential_()
-        t = bench.paired_us([lambda: ops.race_sample(z, e, 1.0)], [lambda: ops.race_sample(z, e, 1.0, chunks=1)])
+        t = common.paired_us([lambda: ops.race_sample(z, e, 1.0)], [lambda: ops.race_sample(z, e, 1.0, chunks=1)])
         rows.append(dict(batch=B, chunked_us=t[0], one_chunk_us=t[1]))
         print(f"sampler batch {B:3d}: chunked {t[0]:6.1f} us, one program a row {t[1]:6.1f} us ({t[1] / t[0]:.1f}x)")
     out["sampler"] = rows
 
 
 def attn(out: dict):
-    """python bench.py kernels --parts attn: attention.decode_attention against torch SDPA as model.py called it
+    """python -m bench kernels --parts attn: attention.decode_attention against torch SDPA as model.py called it
     (additive mask, enable_gqa) for one decode step's layer, 7B (28 / 4 heads) and 32B (40 / 8) at the rollout's
     batch sizes and KV lengths; KV caches rotate over enough copies that every call reads from HBM. Also the KV
     bytes per call over the time, against the copy bandwidth; and the kernel as a decode step calls it (new=)."""
     import attention
 
-    copy = bench.copy_bandwidth()
+    copy = common.copy_bandwidth()
     rows = []
     for size, HQ, HK in (("7b", 28, 4), ("32b", 40, 8)):
         for B in (1, 4, 16, 64, 256):
@@ -377,7 +378,7 @@ def attn(out: dict):
                 if size == "32b" and B == 256:
                     continue
                 D, nbytes = 128, 2 * B * HK * kv * 128 * 2
-                n = bench.copies_for(nbytes)
+                n = common.copies_for(nbytes)
                 caches = [(torch.randn(B, HK, 768, D, device="cuda", dtype=torch.bfloat16),
                            torch.randn(B, HK, 768, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n)]
                 q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
@@ -399,7 +400,7 @@ def attn(out: dict):
                                                                new=new) for c in caches]
                 with torch.no_grad():
                     err = (ours[0]().float() - sd[0]().float()).abs().max().item()
-                    t_sd, t_ours, t_step = bench.paired_us(sd, ours, step)
+                    t_sd, t_ours, t_step = common.paired_us(sd, ours, step)
                 row = dict(size=size, batch=B, kv=kv, sdpa_us=t_sd, ours_us=t_ours, speedup=t_sd / t_ours,
                            ours_GBps=nbytes / t_ours / 1e3, sdpa_GBps=nbytes / t_sd / 1e3, max_abs_diff=err,
                            step_us=t_step)
@@ -408,7 +409,7 @@ def attn(out: dict):
                     var = [dict(chunks=c, block=bk, warps=w, stages=st) for c in sorted({1, c0, 2 * c0})
                            for bk in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
                     with torch.no_grad():
-                        ts = bench.paired_us(*[[lambda c=c, v_=v_: attention.decode_attention(
+                        ts = common.paired_us(*[[lambda c=c, v_=v_: attention.decode_attention(
                             q, c[0][:, :, :kv], c[1][:, :, :kv], valid, D ** -0.5, v_) for c in caches] for v_ in var])
                     best = min(range(len(var)), key=ts.__getitem__)
                     row["best_variant"], row["best_us"] = var[best], ts[best]

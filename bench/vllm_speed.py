@@ -1,17 +1,18 @@
-"""bench_vllm.py: tokens/s of the vLLM backend (our NVFP4 GEMM inside vLLM) against the built-in engine, one folder.
+"""bench/vllm_speed.py: `python -m bench vllm`: tokens/s of the vLLM backend (our NVFP4 GEMM inside vLLM) against
+the built-in engine, one folder.
 
-    python bench_vllm.py                      # H100: Qwen2.5-7B shape, batches 1,16,64 (vLLM installed)
-    python bench_vllm.py --shape small        # a small random shape, any machine with vLLM (a smoke run)
+    python -m bench vllm                      # H100: Qwen2.5-7B shape, batches 1,16,64 (vLLM installed)
+    python -m bench vllm --shape small        # a small random shape, any machine with vLLM (a smoke run)
 
 It writes a random NVFP4 checkpoint once (--dir): bf16 weights drawn N(0, 0.02) on the fly and quantized layer by
 layer with quantize.quantize_state_dict, quantize.py's config and the real Qwen2.5 tokenizer, so vLLM loads it as it
 loads quantize.py's output. Both engines generate --new-tokens tokens after random --prompt-token prompts with EOS
 ignored; at each batch size the first call warms up (compiles, captures graphs) and the second is timed. vLLM runs
 with its torch.compile + CUDA graphs (enforce_eager=False; graphs captured at the benchmarked batch sizes), LoRA and
-sleep mode off; the built-in engine as `bench.py rollout` runs it. Prints one JSON line per engine and batch.
+sleep mode off; the built-in engine as `python -m bench rollout` runs it. Prints one JSON line per engine and batch.
 One run on the H100 (vLLM 0.26.0): vLLM 319 / 4276 / 11244 tok/s at batch 1 / 16 / 64, the built-in engine 379 / 4891
 / 12192, so vLLM with our kernels runs at 0.84x / 0.87x / 0.92x of the built-in engine's speed.
-Leaves out: LoRA adapters during timing, bf16 in vLLM (bench.py rollout has the bf16 built-in engine).
+Leaves out: LoRA adapters during timing, bf16 in vLLM (python -m bench rollout has the bf16 built-in engine).
 """
 import argparse
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 import fsutil
+from bench.common import QWEN
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # rollout_vllm runs vLLM in this process
 
@@ -31,7 +33,7 @@ SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 
 
 def write_folder(path: Path, shape: dict, dev: str) -> Path:
-    """A random NVFP4 checkpoint of the Qwen2 architecture at `shape` (bench.QWEN's keys), written atomically."""
+    """A random NVFP4 checkpoint of the Qwen2 architecture at `shape` (bench.common.QWEN's keys), written atomically."""
     import quantize
     import tiny
     from safetensors.torch import save_file
@@ -85,7 +87,8 @@ def timed(generate, prompts, new_tokens: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench vllm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["7b", "32b", "small"], default="7b", help="Qwen2.5 shape of the random model")
     ap.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (sequences)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
@@ -94,14 +97,13 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share of the GPU")
     args = ap.parse_args(argv)
     print(json.dumps(vars(args)))
-    import bench
     import model as M
     import rollout
     import rollout_vllm as RV
 
     batches = [int(b) for b in args.batches.split(",")]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = SMALL if args.shape == "small" else bench.QWEN[args.shape]
+    shape = SMALL if args.shape == "small" else QWEN[args.shape]
     folder = write_folder(Path(args.dir or f"/tmp/nanoqerl-bench-{args.shape}-nvfp4"), shape, dev)
     g = torch.Generator().manual_seed(0)
     prompts = {B: torch.randint(0, 150000, (B, args.prompt), generator=g).tolist() for B in batches}

@@ -1,14 +1,15 @@
-"""bench_profile.py: where the time goes, for `python bench.py profile` and `python bench.py one` (needs a CUDA GPU).
+"""bench/profiling.py: where the time goes, for `python -m bench profile` and `python -m bench one` (needs a CUDA
+GPU).
 
-    python bench.py profile --batches 1                  # CUDA time per kernel of a 7B NVFP4 decode step at batch 1
-    python bench.py profile --batches 64 --lora-rank 32  # the same with the RL step's LoRA on every linear
-    python bench.py profile --train nvfp4                # the train half of `bench.py train` (or --train bf16)
-    ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
-    python bench.py one --shape qkv --m 256 --iters 200          # also: host time per call, ours vs F.linear
-    python bench.py profile --prefill --batches 1        # host time of the eager prefill, NVFP4 vs bf16 (cProfile)
-    python bench.py profile --ab attn --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
-    python bench.py profile --ab silu --batches 1,8,16,32 # decode step with SiLU x up in gate_up's epilogue or not
-    python bench.py profile --ab rope --batches 1,16,64   # decode step with RoPE + cache write in the attention or not
+    python -m bench profile --batches 1                  # CUDA time per kernel of a 7B NVFP4 decode step at batch 1
+    python -m bench profile --batches 64 --lora-rank 32  # the same with the RL step's LoRA on every linear
+    python -m bench profile --train nvfp4                # the train half of `python -m bench train` (or --train bf16)
+    ncu -k regex:nvfp4 python -m bench one --shape gate_up --m 1   # a few plain calls of one GEMM, for Nsight Compute
+    python -m bench one --shape qkv --m 256 --iters 200          # also: host time per call, ours vs F.linear
+    python -m bench profile --prefill --batches 1        # host time of the eager prefill, NVFP4 vs bf16 (cProfile)
+    python -m bench profile --ab attn --batches 1,16,64   # decode step with attention.decode_attention vs torch SDPA
+    python -m bench profile --ab silu --batches 1,8,16,32 # decode step with SiLU x up in gate_up's epilogue or not
+    python -m bench profile --ab rope --batches 1,16,64   # decode step with RoPE + cache write in the attention or not
 """
 import json
 import statistics
@@ -16,12 +17,12 @@ import time
 
 import torch
 
-import bench
-from bench import SHAPES_7B, random_model, random_nvfp4
+from bench.common import SHAPES_7B, random_model, random_nvfp4
+from bench.model_speed import rl_batch, rl_setup, train_half
 
 
 def run(args):
-    """`bench.py one` and `bench.py profile`, as their flags ask (see bench.py --help)."""
+    """`python -m bench one` and `python -m bench profile`, as their flags ask (see python -m bench --help)."""
     batches = [int(b) for b in args.batches.split(",")]
     if args.what == "one":
         return run_one(args.shape, int(args.m.split(",")[0]), args.config, args.iters)
@@ -35,7 +36,7 @@ def run(args):
 
 
 def run_one(shape: str, M: int, config: str | None, iters: int):
-    """A few plain calls of one GEMM, for profilers (ncu -k regex:nvfp4 python bench.py one --shape gate_up --m 1),
+    """A few plain calls of one GEMM, for profilers (ncu -k regex:nvfp4 python -m bench one --shape gate_up --m 1),
     then as many of bf16 F.linear; prints the host time per call of each (what an eager prefill pays per linear)."""
     import kernels
 
@@ -61,7 +62,7 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
 
 def profile_decode(size: str, B: int, prompt: int = 256, steps: int = 32, lora_rank: int = 0):
     """Where a decode step's time goes: CUDA time per kernel over `steps` eager decode steps (NVFP4, batch B; with
-    lora_rank, LoRA of that rank on every linear, as in `bench.py train`)."""
+    lora_rank, LoRA of that rank on every linear, as in `python -m bench train`)."""
     import lora
     import rollout
     from torch.profiler import ProfilerActivity, profile
@@ -177,18 +178,19 @@ def print_kernel_table(profs, per: int, what: str, unit: str):
 
 
 def profile_train(size: str, base: str):
-    """Where the train half of `bench.py train` goes: CUDA time per kernel of one train half (after a warm-up)."""
+    """Where the train half of `python -m bench train` goes: CUDA time per kernel of one train half (after a
+    warm-up)."""
     from torch.profiler import ProfilerActivity, profile
 
-    m, opt_, eng, P = bench._rl_setup(size, base, 8, 8, 256, 512, True)
-    b = bench._rl_batch(eng, P, 8, 512, 0)
-    bench._train_half(m, opt_, b)
+    m, opt_, eng, P = rl_setup(size, base, 8, 8, 256, 512, True)
+    b = rl_batch(eng, P, 8, 512, 0)
+    train_half(m, opt_, b)
     torch.cuda.synchronize()
     t0 = time.time()
-    bench._train_half(m, opt_, b)
+    train_half(m, opt_, b)
     torch.cuda.synchronize()
     print(f"train half: {time.time() - t0:.2f} s wall")
     with profile(activities=[ProfilerActivity.CUDA]) as p:
-        bench._train_half(m, opt_, b)
+        train_half(m, opt_, b)
         torch.cuda.synchronize()
     print_kernel_table([(1, p)], 1, f"{size} {base} + LoRA r32, 8 x 8 sequences of 256 + 512", "train half")
