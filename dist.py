@@ -61,12 +61,6 @@ class Dist:
     def max(self, values) -> list[float]:
         return self._reduce(values, td.ReduceOp.MAX)
 
-    def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """In place: the sum over the ranks of a tensor on this rank's device (one all-reduce)."""
-        if self.world > 1:
-            td.all_reduce(t)
-        return t
-
     def gather(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] on every rank (pickled: for small Python objects)."""
         if self.world == 1:

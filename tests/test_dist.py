@@ -2,10 +2,12 @@
 other's checkpoints, keep their adapters bit-identical, and stop together with one line on bad set-ups. Also the
 per-sequence random streams of rollout.py that make it possible. The tiny model, fp32 on CPU.
 
-Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens, rewards, accuracies and
-every count are equal; float metrics differ by the order of the sums (the ranks' partial sums are added last): at
-most 1e-7 absolute / 8e-7 relative measured (grad_norm), asserted rel 1e-5 + abs 1e-6; the adapters after two AdamW
-steps differ by at most 3.6e-7 measured (|w| <= 0.14), asserted abs 1e-5; the ranks' own adapters are bit-identical.
+Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens, rewards, accuracies,
+counts and evaluation files are equal; float metrics differ only by the order of the sums (micro-batches of other
+shapes, the ranks' partial sums added last): at most 9e-8 absolute measured (ratio_mean; mismatch_abs, a difference
+of two log-probs near 3e-4, 1.2e-8 absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters:
+equal after the first AdamW step, 2.6e-7 apart after the second (|w| <= 0.14), asserted abs 1e-5. Each rank's own
+adapter is bit-identical to the other's after every step.
 """
 import json
 import os
@@ -110,7 +112,7 @@ def test_two_ranks_train_what_one_process_trains(runs):
     ref, got = rows_of(one), rows_of(two)
     assert_same_rows(got, ref)
     steps = [r for r in got if "reward" in r]
-    assert len(steps) == 2 and all(r["rounds"] >= 1 and "t_allreduce" in r for r in steps)
+    assert len(steps) == 2 and all("loss" in r and "t_allreduce" in r for r in steps)   # both steps trained
     assert steps[1]["sigma"] > 0 and steps[1]["mismatch_abs"] > 0        # AQN was on in step 1's rollout
     for step in (1, 2):
         assert_close_adapters(adapter(two, step), adapter(one, step))
