@@ -28,6 +28,7 @@ import os
 import random
 import re
 
+import arith
 from rewards import (FORMATS, extract_answer, format_ok, math_equal, normalize_number,  # noqa: F401
                      parse_gold, score, summarize)
 
@@ -64,6 +65,9 @@ TASKS: dict[str, dict] = {
     "synthetic_mod10": dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k",
                             split=None),
 }
+# The generated column-addition task (arith.py): "arith" is the train side of its hash split, "arith_test" the held-out
+TASKS.update({name: dict(path=None, question=("question",), answer="answer", gold="number", kind="gsm8k", split=split)
+              for name, split in arith.TASKS.items()})
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_SYSTEM_PROMPT = (
@@ -140,7 +144,7 @@ def _read_hub(name: str, split: str | None) -> list[dict]:
 
 def is_generated(task: str) -> bool:
     """True for a task whose rows are generated in code (it reads no file, so --data means nothing to it)."""
-    return task.startswith("synthetic")
+    return task.startswith("synthetic") or task in arith.TASKS
 
 
 def load_rows(task: str, path: str | None = None, limit: int | None = None,
@@ -157,6 +161,8 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
     if task.startswith("synthetic"):  # generated; `path` is not used
         source = task
         raw = synthetic_rows(limit if limit is not None else 1000, seed or 0, {"synthetic": "lucky"}.get(task, task[10:]))
+    elif task in arith.TASKS:  # generated; `path` is not used
+        source, raw = task, arith.task_rows(task, limit, seed)
     else:
         source = path or spec["path"]
         if source is None:

@@ -28,7 +28,7 @@ Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins
 (WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
 
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, and the
-designs measured and dropped in KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
+designs measured and dropped in docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
 import functools
 import os
@@ -294,7 +294,7 @@ def _workspace(device, floats: int, tiles: int):
 
 def mm_config(M: int, N: int, K: int, sms: int = 132, sliced: bool = True) -> dict:
     """Tile config for M tokens, from `python bench.py kernels --sweep` on an H100 (the branches' comments say why;
-    KERNELS.md has the measurements). Up to 8 tokens (sliced=True): the K-sliced kernel, 4 slices on 4 warps, 16
+    docs/KERNELS.md has the measurements). Up to 8 tokens (sliced=True): the K-sliced kernel, 4 slices on 4 warps, 16
     weight rows (32 where row tiles are many). Else BM covers the tokens (the tensor cores' N side) and BN the weight
     rows: at M <= 64 (bandwidth- and latency-bound) K is split until enough programs per SM hide the latency (7 at
     M <= 16, 2.5 up to 64, each split >= 2 K tiles; at 17..64 tokens a long K up to one wave of 3 an SM, >= 16 K tiles

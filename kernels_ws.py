@@ -4,7 +4,7 @@ layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls i
 
     python bench.py kernels                 # its speed, through kernels.nvfp4_mm's dispatch
     python bench.py kernels --parts ws      # against kernels.py's Triton GEMM, each token tile and K split
-    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, KERNELS.md)
+    python bench.py kernels --parts stamps  # where its programs' time goes (global-timer stamps, docs/KERNELS.md)
     pytest tests/test_kernels.py -k ws      # against the fp32 reference (GPU only: Gluon has no interpreter)
     pytest tests/test_ws_sass.py            # its machine code: no in-flight wgmma operand overwritten (CPU too)
 
@@ -63,14 +63,14 @@ ring (so that two such programs, 288 threads each, fit an SM): ptxas serializes 
 from 96 to 168 (advisory C7512, "insufficient register resources"), as with the shared token tile above. Nor the weights
 as the wgmma's B operand, dequantized into a shared-memory ring by 4 warps of their own for a warp group that only
 issues wgmmas (tokens as the A operand): 1.3-2.2x slower at 16 and 64 tokens (gate_up at 64 tokens 78.8 vs 48.8 us), as
-each weight then crosses shared memory twice in bf16 (KERNELS.md, "Dequantizing in separate warps"). Nor resident
+each weight then crosses shared memory twice in bf16 (docs/KERNELS.md, "Dequantizing in separate warps"). Nor resident
 programs looping over the tiles, the tiles left after whole rounds cut in K (gate_up at 64 tokens 45.5 vs 45.5 us;
 spills with LoRA; commit 0160692, `python bench_persist.py`), nor programmatic dependent launch (commit 79466be; both in
-KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
-tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in KERNELS.md's last
+docs/KERNELS.md). Nor prefetching each program's words into L2 a few K tiles ahead (slower the further ahead: gate_up at 64
+tokens 43.5 -> 45.3-53.6 us), nor fewer, wider TMA rows (within 1%; commits 6145b04 and 78e5b69, in docs/KERNELS.md's last
 section, which also shows that at 64 tokens the reads through the ring take 76-90% of the time), nor the tokens in a
 ring of their own beside a deeper one of words (slower in all 12 shape and token cases: gate_up at 64 tokens 51.6 vs
-43.8 us; commit 36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in KERNELS.md).
+43.8 us; commit 36c3655), nor a sixth stage for 128-token tiles (0.97-1.01x; commit 8539a33; both in docs/KERNELS.md).
 """
 import functools
 
@@ -113,7 +113,7 @@ def usable(x2: torch.Tensor) -> bool:
 
 def ws_config(M: int, N: int, K: int, sms: int = 132) -> dict | None:
     """The token tile BM and K split for M tokens, or None where kernels.py's Triton GEMM is as fast or faster; from
-    `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; KERNELS.md). A 128-token program takes a
+    `python bench.py kernels --parts ws` on an H100 (7B shapes, 24..768 tokens; docs/KERNELS.md). A 128-token program takes a
     whole SM (255 registers), a 64-token one half of it (128 registers), so the question is how many programs fill
     the 132 SMs and how many token rows are padding:
       * 33..64 tokens (64-token tiles): a short K (< 64 tiles) split in 2 where that still fits one program an SM (o at
@@ -256,7 +256,7 @@ if gluon is not None:
         # next TMA writes after them, with no proxy fence (one per release cost 1-4%: 2% geomean over 19 dispatched
         # shapes). Each stage's mbarriers are allocations of their own, indexed at compile time: Triton puts a
         # warp-group barrier between two waits on one allocation, which the ring indexed at run time (i % S) paid
-        # before every K tile (3-8% slower in all 16 cases timed; KERNELS.md).
+        # before every K tile (3-8% slower in all 16 cases timed; docs/KERNELS.md).
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         acc = gl.zeros((64, BM), gl.float32, MMA)
         if STAMP:  # start, first tile landed, loop done, stored

@@ -54,7 +54,8 @@ import quantize  # noqa: E402
 import rollout  # noqa: E402
 import runlog  # noqa: E402
 import tiny  # noqa: E402
-from train_config import Config, Stop, check_config, parse_args, resolve_config  # noqa: E402
+from train_config import (Config, Stop, apply_model_defaults, check_config, parse_args,  # noqa: E402
+                          resolve_config)
 
 
 def seeded(cfg: Config, *keys) -> int:
@@ -424,12 +425,6 @@ def evaluate(cfg, model, engine, tok, rows, stops, run, step, ctx=dist.SINGLE) -
 # ----------------------------------------------------------------------------------------------------
 # The run
 
-# Defaults that depend on the model: QeRL's 7B recipe, or what lets RL show on the tiny model within
-# minutes on a CPU. Each applies only where the flag was left out.
-REAL_DEFAULTS = dict(steps=500, lr=1e-5, lora_rank=32, lora_alpha=64.0, format_weight=0.0)
-SMALL_DEFAULTS = dict(steps=40, lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2)
-
-
 def open_run(cfg: Config, resume: Path | None, model, opt_, stamp: str, ctx=dist.SINGLE) -> tuple[Path, int]:
     """The run folder and its first step: a new one (checked here, made by write_run), or a resumed run's latest
     checkpoint loaded into the model and optimizer (by every rank). Writes nothing, except that rank 0 removes what
@@ -473,9 +468,7 @@ def main(argv=None):
         return 0
     try:
         cfg, resume = resolve_config(cfg, args, given)
-        for name, value in (SMALL_DEFAULTS if cfg.model == "tiny" else REAL_DEFAULTS).items():
-            if getattr(cfg, name) is None:
-                setattr(cfg, name, value)
+        apply_model_defaults(cfg)
         p = check_config(cfg)
         ctx = dist.init(cfg.device, cfg.prompts_per_step, "--prompts-per-step", cfg.engine)
     except (Stop, ValueError, FileNotFoundError, RuntimeError) as e:

@@ -32,14 +32,14 @@ def main(argv=None):
             for seed in range(args.seeds):
                 out = os.path.join(tempfile.mkdtemp(), "run")
                 train.main(["--out", out, "--algo", algo, "--base", base, "--steps", str(args.steps), "--seed",
-                            str(seed)] + test_train.FAST + test_train.base_args(base) + extra)
+                            str(seed)] + test_train.LEARN + test_train.base_args(base) + extra)
                 rows = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
                 acc = [r["accuracy"] for r in rows if "accuracy" in r]
-                s, e, e0, e1 = test_train.learning(rows)                      # 5-step windows, greedy before / after
+                s, e, e0, e1 = test_train.learning(rows)                      # 3-step windows, greedy before / after
                 good = test_train.learned(rows)
                 ok, total = ok + good, total + 1
                 print(f"RESULT {algo} {base} seed {seed}: 3-step {sum(acc[:3]) / 3:.3f} -> {sum(acc[-3:]) / 3:.3f}  "
-                      f"5-step {s:.3f} -> {e:.3f}  greedy {e0:.2f} -> {e1:.2f}  learned {good}", flush=True)
+                      f"3-step {s:.3f} -> {e:.3f}  greedy {e0:.2f} -> {e1:.2f}  learned {good}", flush=True)
     print(f"learned in {ok} of {total} runs")
 
 

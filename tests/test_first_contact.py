@@ -17,12 +17,15 @@ import tiny
 import versions
 
 ROOT = Path(__file__).resolve().parent.parent
-# The shortest run of README command 1 (`train.py --algo dapo`, built-in tiny model) that still builds the model,
-# takes a step, saves and evaluates. Most of its time is the tiny model's 60-step warm-up, which is what is tested:
-# about 100 CPU-seconds in all (4 minutes of wall time on a 2-core CPU shared with other jobs).
-TINY_RUN = ["--algo", "dapo", "--model", "tiny", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
-            "--eval-limit", "2", "--save-every", "1", "--max-new-tokens", "4", "--max-sample-rounds", "1",
-            "--minibatches", "1", "--out", "runs/first"]
+# The shortest run of README command 1 (`train.py --algo dapo`: the shipped small model) that still takes a step,
+# saves a checkpoint and evaluates, writing every kind of file a run writes.
+SHORT = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-limit", "2", "--save-every", "1",
+         "--max-sample-rounds", "1", "--minibatches", "1", "--out", "runs/first"]
+DEFAULT_RUN = ["--algo", "dapo"] + SHORT
+# The same with the tiny random model (`--model tiny`), which is built once and cached under runs/.cache: the write
+# that crashed on a first run where $TMPDIR is another filesystem. Most of its time is the tiny model's 60-step
+# warm-up, which is what is tested: about 100 CPU-seconds in all.
+TINY_RUN = ["--algo", "dapo", "--model", "tiny", "--max-new-tokens", "4"] + SHORT
 # Where no second filesystem can be found, rename across $TMPDIR and the clone is made to fail as a real one does
 # (EXDEV): os.rename and os.replace are wrapped before train.py runs. NANOQERL_TEST_SIMULATE_EXDEV=1 forces it.
 SIMULATE_EXDEV = """
@@ -76,22 +79,39 @@ def cross_fs_tmpdir(tmp_path):
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def test_readme_command_1_with_tmpdir_on_another_filesystem(cross_fs_tmpdir):
-    clone, tmpdir, simulated = cross_fs_tmpdir
+def no_temporaries(clone: Path, tmpdir: Path):
+    """Nothing left in $TMPDIR (torch keeps its compile cache there, torchinductor_<user>: a library's, not ours) and
+    no hidden temporary anywhere in the run folder."""
+    assert [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")] == []
+    assert [p for p in (clone / "runs").rglob(".*") if ".tmp-" in p.name] == []
+
+
+def run_in_clone(clone: Path, tmpdir: Path, simulated: bool, args: list[str]):
     if not simulated:
         assert tmpdir.stat().st_dev != clone.stat().st_dev
     env = dict(os.environ, TMPDIR=str(tmpdir), HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
-    env.pop("NANOQERL_CACHE", None)  # the tiny model is built under the clone's runs/.cache, as on a first run
+    env.pop("NANOQERL_CACHE", None)  # caches go under the clone's runs/.cache, as on a first run
     cmd = [sys.executable, "-c", SIMULATE_EXDEV] if simulated else [sys.executable, "train.py"]
-    r = subprocess.run(cmd + TINY_RUN, cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd + args, cwd=clone, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (clone / "runs" / "first" / "metrics.jsonl").exists()
+    assert (clone / "runs" / "first" / "checkpoints" / "latest").read_text() == "step_000001"
+
+
+def test_readme_command_1_with_tmpdir_on_another_filesystem(cross_fs_tmpdir):
+    clone, tmpdir, simulated = cross_fs_tmpdir
+    run_in_clone(clone, tmpdir, simulated, DEFAULT_RUN)
+    no_temporaries(clone, tmpdir)
+
+
+def test_tiny_model_cache_with_tmpdir_on_another_filesystem(cross_fs_tmpdir):
+    clone, tmpdir, simulated = cross_fs_tmpdir
+    run_in_clone(clone, tmpdir, simulated, TINY_RUN)
     cache = clone / "runs" / ".cache"
     assert (cache / "tiny-synthetic-0" / "config.json").exists()
     assert (cache / "tiny-synthetic-0" / "model.safetensors").exists()
     assert sorted(p.name for p in cache.iterdir()) == ["tiny-synthetic-0"]  # no temporary beside the cache
-    # and none in $TMPDIR (torch keeps its compile cache there, torchinductor_<user>: a library's, not a temporary)
-    assert [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")] == []
-    assert (clone / "runs" / "first" / "metrics.jsonl").exists()
+    no_temporaries(clone, tmpdir)
 
 
 # tiny.publish_cached, the last step of the tiny model's build (the warm-up before it is left out: it is what

@@ -9,7 +9,7 @@ import torch
 import grpo
 import train
 
-FAST = ["--prompts-per-step", "4", "--group-size", "8", "--eval-limit", "8", "--save-every", "100"]
+FAST = ["--model", "tiny", "--prompts-per-step", "4", "--group-size", "8", "--eval-limit", "8", "--save-every", "100"]
 TIMING = {"t_rollout", "t_reward", "t_train", "rollout_tok_s", "peak_mem_gb"}
 
 
@@ -20,39 +20,50 @@ def run(tmp_path, name, *args):
     return rc, rows, out
 
 
-STEPS = "30"
+# The learning tests start from the shipped small model (models/arith-cpu, train.py's default) on its addition
+# task: held-out greedy accuracy starts at 0.17 (the pretraining corpus forgets owed carries more often than not, so
+# greedy decoding does) and sampled accuracy near 0.3; RL has to make the model add its carries.
+LEARN = ["--prompts-per-step", "4", "--group-size", "8", "--eval-limit", "32", "--eval-every", "0",
+         "--save-every", "100"]
+STEPS = "12"
+
+
+def learn_run(tmp_path, name, *args):
+    out = tmp_path / name
+    rc = train.main(["--out", str(out)] + LEARN + list(args))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return rc, rows, out
 
 
 def base_args(base: str) -> list[str]:
-    """train.py flags for the learning runs: bf16 without AQN, NVFP4 with AQN (one decay stage after stage 0)."""
+    """train.py flags for the learning runs: bf16 without AQN, NVFP4 with AQN (3 noisy stages after stage 0)."""
     return ["--aqn", "--sigma-start", "1e-2", "--aqn-stages", "4"] if base == "nvfp4" else ["--no-aqn"]
 
 
 def learning(rows):
-    """(sampled accuracy: mean of the first 5 steps, of the last 5; greedy eval accuracy: before, after)."""
+    """(sampled accuracy: mean of the first 3 steps, of the last 3; greedy eval accuracy: before, after)."""
     acc = [r["accuracy"] for r in rows if "accuracy" in r]
     ev = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-    return sum(acc[:5]) / 5, sum(acc[-5:]) / 5, ev[0], ev[-1]
+    return sum(acc[:3]) / 3, sum(acc[-3:]) / 3, ev[0], ev[-1]
 
 
 def learned(rows) -> bool:
     s, e, e0, e1 = learning(rows)
-    return s < 0.25 and e >= s + 0.05 and e0 <= 0.2 and e1 >= 0.9
+    return e >= s + 0.15 and e1 >= e0 + 0.3
 
 
-# Chance is 1 in 10: the warm-up taught the format with random digits, the lucky digit is 7. Over 30 steps of 4 x 8
-# samples (grpo / dapo / dr_grpo, bf16 and NVFP4 + AQN), sampled accuracy over the first five steps -> the last five:
-# 0.08-0.09 -> 0.33-0.38 on a 2-core CPU (fp32), 0.12-0.16 -> 0.28-0.34 on an H100 (bf16); greedy accuracy on 8
-# held-out prompts 0.0 -> 1.0 on both. With the advantages' sign flipped: 0.08 -> 0.00, greedy 0.0 -> 0.0. Twenty
-# steps were too few on the GPU: over seeds 0-3 there (`python tests/learning_seeds.py --steps 20`), 10 of 24 runs
-# missed a criterion of the earlier test (3-step windows, end >= start + 0.1; dapo at seed 0: 0.08 -> 0.18), while at
-# 30 steps all 24 reached greedy 1.0 and 22 the sampled threshold. Thresholds (learned()): start < 0.25,
-# end >= start + 0.05, greedy 0.2 or less before and 0.9 or more after.
+# Measured on a 2-core CPU (`python tests/learning_seeds.py --seeds 1 --steps 12`, seed 0), 12 steps of 4 x 8
+# samples, sampled accuracy over the first / last three steps and greedy accuracy on 32 held-out prompts:
+# grpo 0.32 -> 0.74 (bf16) / 0.93 (NVFP4 + AQN), dapo 0.33 -> 0.98 / 0.32 -> 0.94, dr_grpo 0.33 -> 0.84 / 0.32 -> 0.96;
+# greedy 0.12 -> 0.91-1.00 in all six. Thresholds (learned()): sampled up by 0.15 or more, greedy up by 0.3 or more.
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("base", ["bf16", "nvfp4"])
 def test_reward_rises(tmp_path, algo, base):
-    rc, rows, out = run(tmp_path, f"{algo}-{base}", "--algo", algo, "--base", base, "--steps", STEPS, *base_args(base))
+    rc, rows, out = learn_run(tmp_path, f"{algo}-{base}", "--algo", algo, "--base", base, "--steps", STEPS,
+                              *base_args(base))
     s, e, e0, e1 = learning(rows)
     print(f"{algo} {base}: sampled accuracy {s:.3f} -> {e:.3f}, greedy {e0:.3f} -> {e1:.3f}")
     assert rc == 0 and learned(rows)
@@ -66,7 +77,7 @@ def test_reward_rises(tmp_path, algo, base):
 def test_sign_error_makes_the_learning_test_fail(tmp_path, monkeypatch):
     real = grpo.group_advantages
     monkeypatch.setattr(grpo, "group_advantages", lambda r, *a, **k: -real(r, *a, **k))
-    rc, rows, _ = run(tmp_path, "flipped", "--algo", "grpo", "--base", "bf16", "--no-aqn", "--steps", STEPS)
+    rc, rows, _ = learn_run(tmp_path, "flipped", "--algo", "grpo", "--base", "bf16", "--no-aqn", "--steps", STEPS)
     s, e, e0, e1 = learning(rows)
     print(f"sign flipped: sampled accuracy {s:.3f} -> {e:.3f}, greedy {e0:.3f} -> {e1:.3f}")
     assert rc == 0 and not learned(rows)

@@ -496,8 +496,9 @@ def test_train_with_vllm_syncs_lora_every_step(tmp_path):
     for e in list(RV._LIVE):
         e.close()
     out = tmp_path / "run"
-    rc = train.main(["--engine", "vllm", "--steps", "3", "--prompts-per-step", "2", "--group-size", "4",
-                     "--eval-limit", "4", "--aqn", "--sigma-start", "1e-2", "--aqn-stages", "2", "--out", str(out)])
+    rc = train.main(["--engine", "vllm", "--model", "tiny", "--steps", "3", "--prompts-per-step", "2",
+                     "--group-size", "4", "--eval-limit", "4", "--aqn", "--sigma-start", "1e-2", "--aqn-stages", "2",
+                     "--out", str(out)])
     assert rc == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r or "skipped" in r]
