@@ -7,7 +7,7 @@
 The step is `bench.py train`'s: Qwen2.5-7B shapes with random weights (NVFP4 base), LoRA r32 on every linear, 256
 prompt tokens, 8 samples a prompt of 512 new tokens each (EOS ignored), random rewards, the trainer's pi_old and 2
 minibatch updates in micro-batches of 8; but through train.py's own several-GPU code: each rank rolls out its share
-of the prompts with its own engine, train.ppo_update splits the global batch into the global minibatches and sums
+of the prompts with its own engine, ppo.ppo_update splits the global batch into the global minibatches and sums
 the LoRA gradient with one all-reduce per optimizer step. Each (mode, N) is one torchrun job running this file with
 --worker; the parent collects what rank 0 wrote and prints the table.
 
@@ -52,8 +52,8 @@ def worker(args) -> int:
     import dist
     import grpo
     import lora
+    import ppo
     import rollout
-    import train
     from train_config import Config
 
     world = dist.env_world()
@@ -81,14 +81,14 @@ def worker(args) -> int:
                                seed=step * 1_000_003 + lo * G)
         groups = [dict(prompt=prompts[i], samples=samples[i * G:(i + 1) * G]) for i in range(hi - lo)]
         rewards = torch.rand(P, G, generator=torch.Generator().manual_seed(step))[lo:hi]      # (groups, G)
-        b = train.make_batch(groups, grpo.group_advantages(rewards), dev)
+        b = ppo.make_batch(groups, grpo.group_advantages(rewards), dev)
         sync(dev)
         t1 = time.perf_counter()
         S = b["ids"].shape[0]
         with torch.no_grad():
-            b["old_logp"] = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0]
+            b["old_logp"] = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0]
                                        for c in torch.arange(S, device=dev).split(8)])       # (S, T)
-        out = train.ppo_update(cfg, p, step, m, b, opt_, torch.arange(lo * G, hi * G), P * G, ctx)
+        out = ppo.ppo_update(cfg, p, step, m, b, opt_, torch.arange(lo * G, hi * G), P * G, ctx)
         sync(dev)
         t2 = time.perf_counter()
         ar = out.get("t_allreduce", 0.0)

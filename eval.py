@@ -32,6 +32,26 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import dist  # noqa: E402
 import fsutil  # noqa: E402
+import rollout  # noqa: E402
+
+VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned vllm "
+                "on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; "
+                "or use the default --engine builtin")
+
+
+def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
+    """The engine a caller chose: 'builtin' (rollout.Engine over a loaded Model) or 'vllm'
+    (rollout_vllm.VLLMEngine over a checkpoint folder). The choice lives here, above both engines,
+    so neither engine module imports the other."""
+    if kind == "builtin":
+        return rollout.Engine(model, **kw)
+    if kind == "vllm":
+        try:
+            from rollout_vllm import VLLMEngine
+        except ImportError as e:                       # vLLM lives in .venv-vllm only
+            raise RuntimeError(f"{VLLM_MISSING} ({e})") from e
+        return VLLMEngine(model_dir, **kw)
+    raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -135,7 +155,6 @@ def run_eval(args, rows, stats, ctx) -> int:
     import lora
     import model as M
     import quantize
-    import rollout
     from transformers import AutoTokenizer
 
     stamp = ctx.gather(time.strftime("%Y%m%d-%H%M%S"))[0]  # rank 0's clock names the output folder
@@ -150,9 +169,11 @@ def run_eval(args, rows, stats, ctx) -> int:
             model = M.Model.from_pretrained(args.model, device=ctx.device, quantize_on_load=args.quantize_on_load)
             if args.adapter:
                 lora.load_adapter(model, args.adapter)
-            engine = rollout.make_engine("builtin", model, max_batch=batch, max_len=max_prompt + args.max_new_tokens)
+            engine = make_engine("builtin", model, max_batch=batch,
+                                 max_len=max_prompt + args.max_new_tokens)
         else:
-            engine = rollout.make_engine("vllm", model_dir=args.model, max_model_len=max_prompt + args.max_new_tokens)
+            engine = make_engine("vllm", model_dir=args.model,
+                                 max_model_len=max_prompt + args.max_new_tokens)
             if args.adapter:
                 engine.load_adapter_dir(args.adapter)
     except torch.cuda.OutOfMemoryError:

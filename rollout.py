@@ -331,23 +331,6 @@ class Engine:
         return x if x.shape[0] == b else torch.cat([x, x[-1:].expand(b - x.shape[0], *x.shape[1:])])
 
 
-VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned vllm on a GPU machine, "
-                "its CPU build otherwise), then .venv-vllm/bin/python; or use the default --engine builtin")
-
-
-def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
-    """'builtin' (needs the Model) or 'vllm' (needs the checkpoint folder; see rollout_vllm.py)."""
-    if kind == "builtin":
-        return Engine(model, **kw)
-    if kind == "vllm":
-        try:
-            from rollout_vllm import VLLMEngine
-        except ImportError as e:
-            raise RuntimeError(f"{VLLM_MISSING} ({e})") from e
-        return VLLMEngine(model_dir, **kw)
-    raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
-
-
 def main(argv=None):
     import data
     import quantize
