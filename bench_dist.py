@@ -13,13 +13,14 @@ the LoRA gradient with one all-reduce per optimizer step. Each (mode, N) is one 
 
 Weak scaling keeps 8 prompts per GPU (8N in all): efficiency T(1) / T(N); the goal is 90% at 2 GPUs and 85% at 4.
 Strong scaling splits 16 prompts over the N GPUs: efficiency T(1) / (N T(N)).
-Columns, means over the timed steps after one warm-up step (compilation, CUDA graphs): step = rank 0's wall time;
+Columns, medians over the timed steps after one warm-up step (compilation, CUDA graphs): step = rank 0's wall time;
 rollout and train = the slowest rank's; all-reduce = the fastest rank's time in the gradient all-reduce, which is the
 transfer (a slower rank's time there also holds its wait for the slowest one, so train + all-reduce < step).
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,13 +94,13 @@ def worker(args) -> int:
         t2 = time.perf_counter()
         ar = out.get("t_allreduce", 0.0)
         times.append(dict(step=t2 - t0, rollout=t1 - t0, train=t2 - t1 - ar, allreduce=ar))
-    timed = times[1:] or times
-    mean = {k: sum(t[k] for t in timed) / len(timed) for k in timed[0]}
+    timed = times[1:] or times                                   # the first step compiles and captures
+    mean = {k: statistics.median(t[k] for t in timed) for k in timed[0]}   # medians over timed steps
     rollout_s, train_s, neg_ar = ctx.max([mean["rollout"], mean["train"], -mean["allreduce"]])
     peak = ctx.max([torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0])[0]
     if ctx.main:
         row = dict(mode=args.mode, gpus=world, prompts=P, sequences=P * G, step_s=mean["step"], rollout_s=rollout_s,
-                   train_s=train_s, allreduce_s=-neg_ar, tokens_s=P * G * args.new_tokens / mean["step"],
+                   train_s=train_s, allreduce_s=-neg_ar, tokens_s=P * G * args.new_tokens / mean["step"], steps_s=[t["step"] for t in timed],
                    peak_GB=peak, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         fsutil.atomic_write_text(Path(args.out), json.dumps(row))
     ctx.close()
@@ -131,7 +132,7 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens generated per sample (EOS ignored)")
-    ap.add_argument("--steps", type=int, default=3, help="RL steps per job; the first is a warm-up, not timed")
+    ap.add_argument("--steps", type=int, default=4, help="RL steps per job; the first is a warm-up, not timed; medians of the rest")
     ap.add_argument("--size", default="7b", choices=["7b", "32b"], help="the model shape (bench.py QWEN)")
     ap.add_argument("--base", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on every linear (alpha = 2 x rank)")
