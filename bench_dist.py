@@ -48,6 +48,26 @@ def build(args, dev):
     return bench.random_model(args.size, args.base == "nvfp4")   # on the current device (dist.init set it)
 
 
+def pure_allreduce(params, ctx, reps: int = 5) -> float:
+    """The gradient all-reduce alone: the flat buffer of ppo_update's all-reduce (every LoRA gradient
+    and one float), summed after a barrier so no rank waits for another; the median of `reps` after one
+    warm-up. In the step, a rank's all-reduce time also holds its wait for the slowest rank."""
+    import torch.distributed as td
+
+    if ctx.world == 1:
+        return 0.0
+    buf = torch.zeros(sum(q.numel() for q in params) + 1, dtype=params[0].dtype, device=ctx.device)
+    out = []
+    for _ in range(reps + 1):
+        td.barrier()
+        sync(ctx.device)
+        t0 = time.perf_counter()
+        td.all_reduce(buf)
+        sync(ctx.device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out[1:])
+
+
 def worker(args) -> int:
     """One rank of one torchrun job: args.steps RL steps; rank 0 writes the timings to args.out."""
     import dist
@@ -94,13 +114,14 @@ def worker(args) -> int:
         t2 = time.perf_counter()
         ar = out.get("t_allreduce", 0.0)
         times.append(dict(step=t2 - t0, rollout=t1 - t0, train=t2 - t1 - ar, allreduce=ar))
+    pure = pure_allreduce(lora.lora_parameters(m), ctx)
     timed = times[1:] or times                                   # the first step compiles and captures
     mean = {k: statistics.median(t[k] for t in timed) for k in timed[0]}   # medians over timed steps
     rollout_s, train_s, neg_ar = ctx.max([mean["rollout"], mean["train"], -mean["allreduce"]])
     peak = ctx.max([torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0])[0]
     if ctx.main:
         row = dict(mode=args.mode, gpus=world, prompts=P, sequences=P * G, step_s=mean["step"], rollout_s=rollout_s,
-                   train_s=train_s, allreduce_s=-neg_ar, tokens_s=P * G * args.new_tokens / mean["step"], steps_s=[t["step"] for t in timed],
+                   train_s=train_s, allreduce_s=-neg_ar, allreduce_alone_s=pure, tokens_s=P * G * args.new_tokens / mean["step"], steps_s=[t["step"] for t in timed],
                    peak_GB=peak, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         fsutil.atomic_write_text(Path(args.out), json.dumps(row))
     ctx.close()
@@ -109,8 +130,8 @@ def worker(args) -> int:
 
 def table(rows) -> str:
     base = {r["mode"]: r["step_s"] for r in rows if r.get("gpus") == 1 and "step_s" in r}
-    lines = ["mode    GPUs  prompts  step s  rollout s  train s  all-reduce s  tokens/s  peak GB  efficiency",
-             "------  ----  -------  ------  ---------  -------  ------------  --------  -------  ----------"]
+    lines = ["mode    GPUs  prompts  step s  rollout s  train s  all-reduce s  alone s  tokens/s  peak GB  efficiency",
+             "------  ----  -------  ------  ---------  -------  ------------  -------  --------  -------  ----------"]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['mode']:<6}  {r['gpus']:>4}  failed: {r['error']}")
@@ -118,7 +139,7 @@ def table(rows) -> str:
         t1 = base.get(r["mode"])
         eff = (t1 / r["step_s"] if r["mode"] == "weak" else t1 / (r["gpus"] * r["step_s"])) if t1 else float("nan")
         lines.append(f"{r['mode']:<6}  {r['gpus']:>4}  {r['prompts']:>7}  {r['step_s']:>6.2f}  {r['rollout_s']:>9.2f}  "
-                     f"{r['train_s']:>7.2f}  {r['allreduce_s']:>12.4f}  {r['tokens_s']:>8.0f}  {r['peak_GB']:>7.1f}  "
+                     f"{r['train_s']:>7.2f}  {r['allreduce_s']:>12.4f}  {r.get('allreduce_alone_s', 0):>7.4f}  {r['tokens_s']:>8.0f}  {r['peak_GB']:>7.1f}  "
                      f"{100 * eff:>9.1f}%")
     return "\n".join(lines)
 
