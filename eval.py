@@ -3,17 +3,23 @@
     python eval.py --model Qwen2.5-7B-Instruct-NVFP4 --task gsm8k                      # greedy pass@1
     python eval.py --model DIR --adapter runs/dapo/checkpoints/step_000100/adapter --task math500 --n 4 --temperature 0.6
     python eval.py --model runs/tiny-qwen2 --task gsm8k --limit 4 --engine builtin      # tiny, CPU
+    torchrun --nproc_per_node=4 eval.py --model DIR --task math500 --num-samples 4 --temperature 0.6  # 4 GPUs
 
 Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for k = 1, 2, 4, ...
 <= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and the mean response length. Writes
 `samples.jsonl` (every prompt, response, extracted answer and score) and `summary.json` to --out. Uses the same
-prompts, answer extraction and fail-closed scoring as training (data.py).
+prompts, answer extraction and fail-closed scoring as training (data.py). Sample k of row j is drawn with seed
+--seed + j * n + k (the engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
+processes share the rows: under torchrun (dist.py) each rank evaluates a contiguous share of the rows with the built-in
+engine on its GPU, and rank 0 merges them into the same files and numbers one process writes.
 
 Leaves out: majority voting, LLM judges, multiple-choice letter matching, code tasks.
 """
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +30,28 @@ versions.check()
 import torch  # noqa: E402
 
 import data  # noqa: E402
+import dist  # noqa: E402
 import fsutil  # noqa: E402
+import rollout  # noqa: E402
+
+VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned vllm "
+                "on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; "
+                "or use the default --engine builtin")
+
+
+def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
+    """The engine a caller chose: 'builtin' (rollout.Engine over a loaded Model) or 'vllm'
+    (rollout_vllm.VLLMEngine over a checkpoint folder). The choice lives here, above both engines,
+    so neither engine module imports the other."""
+    if kind == "builtin":
+        return rollout.Engine(model, **kw)
+    if kind == "vllm":
+        try:
+            from rollout_vllm import VLLMEngine
+        except ImportError as e:                       # vLLM lives in .venv-vllm only
+            raise RuntimeError(f"{VLLM_MISSING} ({e})") from e
+        return VLLMEngine(model_dir, **kw)
+    raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -36,20 +63,24 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
              max_new_tokens: int = 1024, fmt: str = "boxed", seed: int = 0, batch_prompts: int = 32,
-             out_dir: str | None = None, progress: bool = True, stop_ids: list[int] | None = None) -> dict:
+             out_dir: str | None = None, progress: bool = True, stop_ids: list[int] | None = None,
+             ctx=dist.SINGLE) -> dict:
     """Generate n completions for each row, score them, and summarise (see the module docstring).
 
-    stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the tokenizer was read from."""
+    stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the tokenizer was read from.
+    ctx (dist.py): this rank evaluates its share of the rows; every rank returns the summary of all rows; rank 0
+    writes the files."""
     from tqdm import tqdm
 
     t0, records, per_prompt = time.time(), [], []
-    prompts = [data.prompt_token_ids(tokenizer, r["question"], fmt) for r in rows]
+    lo, hi = ctx.share(len(rows))
+    prompts = [data.prompt_token_ids(tokenizer, r["question"], fmt) for r in rows[lo:hi]]
     stops = stop_ids if stop_ids is not None else data.stop_token_ids(tokenizer, tokenizer.name_or_path or None)
-    with tqdm(total=len(rows), desc="eval", unit="prompt", disable=not progress) as bar:
-        for s in range(0, len(rows), batch_prompts):
-            chunk = rows[s:s + batch_prompts]
-            outs = engine.generate(prompts[s:s + batch_prompts], n=n, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, stop_token_ids=stops, seed=seed + s)
+    with tqdm(total=hi - lo, desc="eval", unit="prompt", disable=not (progress and ctx.main)) as bar:
+        for s in range(lo, hi, batch_prompts):
+            chunk = rows[s:min(hi, s + batch_prompts)]
+            outs = engine.generate(prompts[s - lo:s - lo + len(chunk)], n=n, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, stop_token_ids=stops, seed=seed + s * n)
             for i, row in enumerate(chunk):
                 mine = [o for o in outs if o.prompt_idx == i]
                 correct = 0
@@ -63,6 +94,8 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
                                         length=len(o.tokens), finish_reason=o.finish_reason))
                 per_prompt.append(correct)
             bar.update(len(chunk))
+    shares = ctx.gather((records, per_prompt))  # in rank order, which is row order
+    records, per_prompt = [x for r, _ in shares for x in r], [c for _, cs in shares for c in cs]
     P = len(per_prompt)
     p1 = [c / n for c in per_prompt]
     mean = sum(p1) / P
@@ -75,7 +108,7 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
                "mean_length": sum(r["length"] for r in records) / len(records),
                "truncated_rate": sum(r["finish_reason"] == "length" for r in records) / len(records),
                "seconds": time.time() - t0}
-    if out_dir:  # each file appears whole or not at all (a temporary beside it, then a rename)
+    if out_dir and ctx.main:  # each file appears whole or not at all (a temporary beside it, then a rename)
         out = Path(out_dir)
         fsutil.atomic_write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records))
         fsutil.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -83,18 +116,14 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
 
 
 def main(argv=None):
-    import lora
-    import model as M
-    import quantize
-    import rollout
-    from transformers import AutoTokenizer
-
     ap = argparse.ArgumentParser(description="Evaluate a model (bf16 or NVFP4, optionally with a LoRA adapter) on a math task.")
     ap.add_argument("--model", required=True, help="HF folder or hub id, bf16 or our NVFP4 checkpoint")
     ap.add_argument("--adapter", default=None, help="a LoRA adapter folder (PEFT format) to apply")
     ap.add_argument("--task", default="gsm8k", help=f"one of: {', '.join(data.TASKS)}")
     ap.add_argument("--data", default=None, help="JSONL path overriding the task's bundled file")
-    ap.add_argument("--n", type=int, default=1, help="samples per prompt (pass@1 is their mean; pass@k for k <= n)")
+    ap.add_argument("--n", "--num-samples", dest="n", type=int, default=1,
+                    help="samples per prompt (pass@1 is their mean; pass@k for k <= n); under torchrun write "
+                         "--num-samples (torchrun reads --n as an abbreviation of its own flags)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per response")
@@ -106,28 +135,59 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--out", default=None, help="output folder (default: runs/eval-<task>-<time>)")
     args = ap.parse_args(argv)
-    print("config:", json.dumps(vars(args)))
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = None
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone
+        print("config:", json.dumps(vars(args)))
+    ctx = dist.SINGLE
     try:
         rows, stats = data.load_rows(args.task, args.data, args.limit)
+        ctx = dist.init(None, len(rows), "the number of rows (--limit)", args.engine)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:  # under torchrun only rank 0 prints; every rank prints its errors (stderr)
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stdout if ctx.main else null):
+            return run_eval(args, rows, stats, ctx)
+    finally:
+        ctx.close()
+
+
+def run_eval(args, rows, stats, ctx) -> int:
+    import lora
+    import model as M
+    import quantize
+    from transformers import AutoTokenizer
+
+    stamp = ctx.gather(time.strftime("%Y%m%d-%H%M%S"))[0]  # rank 0's clock names the output folder
+    engine = err = None
+    try:
         model_dir = quantize.resolve_model_dir(args.model)
         tok = AutoTokenizer.from_pretrained(model_dir)
         stops = data.stop_token_ids(tok, model_dir)  # before loading the model: a bad folder fails fast
         max_prompt = max(len(data.prompt_token_ids(tok, r["question"], args.fmt)) for r in rows)
         batch = args.batch_prompts * args.n
         if args.engine == "builtin":
-            model = M.Model.from_pretrained(args.model, device=dev, quantize_on_load=args.quantize_on_load)
+            model = M.Model.from_pretrained(args.model, device=ctx.device, quantize_on_load=args.quantize_on_load)
             if args.adapter:
                 lora.load_adapter(model, args.adapter)
-            engine = rollout.make_engine("builtin", model, max_batch=batch, max_len=max_prompt + args.max_new_tokens)
+            engine = make_engine("builtin", model, max_batch=batch,
+                                 max_len=max_prompt + args.max_new_tokens)
         else:
-            engine = rollout.make_engine("vllm", model_dir=args.model, max_model_len=max_prompt + args.max_new_tokens)
+            engine = make_engine("vllm", model_dir=args.model,
+                                 max_model_len=max_prompt + args.max_new_tokens)
             if args.adapter:
                 engine.load_adapter_dir(args.adapter)
-        out = args.out or f"runs/eval-{args.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    except torch.cuda.OutOfMemoryError:
+        err = RuntimeError(f"--model {args.model} does not fit on {ctx.device}: pass an NVFP4 checkpoint (or "
+                           "--quantize-on-load), or a smaller model")
+    except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
+        err = e
+    err = ctx.first_error(err)  # a failure on any rank stops every rank here
+    try:
+        if err is not None:
+            raise err
+        out = args.out or f"runs/eval-{args.task}-{stamp}"
         s = evaluate(engine, tok, rows, args.n, args.temperature, args.top_p, args.max_new_tokens, args.fmt,
-                     args.seed, args.batch_prompts, out, stop_ids=stops)
+                     args.seed, args.batch_prompts, out, stop_ids=stops, ctx=ctx)
     except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

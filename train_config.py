@@ -11,6 +11,7 @@ Leaves out: config files (the flags and the saved config.json are the whole stor
 """
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -22,6 +23,11 @@ import data
 import grpo
 import noise
 import rollout
+
+
+def seeded(cfg, *keys) -> int:
+    """A seed derived from (seed, keys), stable across processes (so --resume replays the draws)."""
+    return int(hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()[:15], 16)
 
 
 def opt(default, help, **kw):

@@ -208,8 +208,8 @@ def post_run(run: Path, settings: dict) -> dict:
     model_dir, tok, model = train.load_policy(cfg, dev)  # the arm's base; LoRA starts at B = 0, so this is step 0
     stops = data.stop_token_ids(tok, model_dir)
     prompts = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in eval_rows]
-    engine = rollout.make_engine("builtin", model, max_len=max(map(len, prompts)) + cfg.max_new_tokens,
-                                 max_batch=cfg.prompts_per_step * cfg.group_size)  # the size training ran with
+    engine = rollout.Engine(model, max_len=max(map(len, prompts)) + cfg.max_new_tokens,
+                            max_batch=cfg.prompts_per_step * cfg.group_size)  # the size training ran with
     n = settings["entropy_samples"]
     out = dict(settings=settings, probe_prompts=len(prompts), noisy_sigma=cfg.sigma_start if cfg.aqn else None,
                entropy_probe=probe_entropy(cfg, model, engine, prompts, stops, n, 0.0),

@@ -97,7 +97,7 @@ def test_eval_stops_on_the_models_own_tokens(make_checkpoint, tmp_path, monkeypa
     from test_data import END_OF_TEXT, EOT
     folder = llama3_chat_folder(make_checkpoint, tmp_path / "llama3-chat")
     engine = RecordingEngine()
-    monkeypatch.setattr(rollout, "make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr(E, "make_engine", lambda *a, **k: engine)
     args = ["--model", str(folder), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev")]
     assert E.main(args) == 0
     assert engine.stops == [[END_OF_TEXT, EOT]]   # the old hard-coded <|im_end|>/<|endoftext|> gave []

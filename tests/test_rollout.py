@@ -3,6 +3,7 @@ log-softmax, stops, lengths, n > 1, mixed prompt lengths, seeding, AQN, and bad 
 import pytest
 import torch
 
+import eval as E
 import lora
 import model as M
 import noise
@@ -200,9 +201,9 @@ def test_bad_input(models):
         import vllm  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="--engine vllm needs vLLM"):
-            R.make_engine("vllm", model_dir="x")
+            E.make_engine("vllm", model_dir="x")
     with pytest.raises(ValueError, match="unknown engine"):
-        R.make_engine("tgi")
+        E.make_engine("tgi")
 
 
 def test_attention_over_growing_kv_buckets(models, monkeypatch):

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import grpo
+import ppo
 import rollout
+import tiny
 import train
 from test_train import run
 from train_config import Config, Stop
@@ -28,7 +30,7 @@ class ScriptedEngine:
 def test_dynamic_sampling_judges_groups_by_accuracy_not_shaped_reward():
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(train.tiny.TOKENIZER_DIR)
+    tok = AutoTokenizer.from_pretrained(tiny.TOKENIZER_DIR)
     right, long_right = "\\boxed{7}", "\\boxed{7}" + " and so on" * 4  # both correct, the second runs long
     engine = ScriptedEngine(tok, [right] * 7 + [long_right])
     n_long = len(engine.ids[-1])
@@ -129,7 +131,7 @@ def test_lr_schedule_matches_transformers(schedule):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = make(opt, 3, 20)
     for i in range(20):
-        assert train.lr_factor(i, 20, 3, schedule) == pytest.approx(sched.get_last_lr()[0], abs=1e-9), i
+        assert ppo.lr_factor(i, 20, 3, schedule) == pytest.approx(sched.get_last_lr()[0], abs=1e-9), i
         opt.step()
         sched.step()
 

@@ -22,6 +22,7 @@ import data  # noqa: E402
 import model as M  # noqa: E402
 import quantize  # noqa: E402
 import rollout  # noqa: E402
+import rollout_vllm as RV  # noqa: E402
 
 
 def main():
@@ -35,9 +36,9 @@ def main():
     prompts = [data.prompt_token_ids(tok, r["question"]) for r in rows]
     stops = data.stop_token_ids(tok, src)
     ours = M.Model.from_pretrained(str(q), device=dev, dtype=dtype)
-    builtin = rollout.make_engine("builtin", ours, max_batch=16, max_len=200)
+    builtin = rollout.Engine(ours, max_batch=16, max_len=200)
     b = builtin.generate(prompts, max_new_tokens=80, temperature=0.0, stop_token_ids=stops)
-    v = rollout.make_engine("vllm", model_dir=str(q), max_model_len=200, dtype=str(dtype).split(".")[-1])
+    v = RV.VLLMEngine(str(q), max_model_len=200, dtype=str(dtype).split(".")[-1])
     try:
         o = v.generate(prompts, max_new_tokens=80, temperature=0.0, stop_token_ids=stops)
     finally:

@@ -1,0 +1,179 @@
+"""ppo.py: the update half of an RL step: pack the rolled-out groups into a batch, the trainer's
+log-probs of the sampled tokens, and epochs x minibatches clipped policy-gradient steps (AdamW) on
+the LoRA weights, under torchrun too.
+
+    python train.py --algo dapo        # train.rl_step calls make_batch, policy_logprobs, ppo_update
+
+The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
+file decides which sequences go into which optimizer step, and with which learning rate.
+Under torchrun (dist.py) each rank holds only its own groups' sequences, but the shuffle and the
+minibatch split run over the global batch and every loss is divided by the minibatch's global
+token and sequence counts, so the summed gradient is the one-process gradient.
+
+Leaves out: value functions (GRPO needs none), gradient accumulation across steps.
+"""
+import math
+
+import torch
+
+import dist
+import grpo
+import lora
+import model as M
+import runlog
+from train_config import seeded
+
+
+def lr_factor(i: int, total: int, warmup: int, schedule: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step i of `total` (0-based).
+
+    Warm-up i / warmup, then constant 1, linear (total - i) / (total - warmup), or cosine
+    0.5 * (1 + cos(pi * progress)): transformers' get_*_schedule_with_warmup, which TRL uses."""
+    if i < warmup:
+        return i / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    progress = (i - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def make_batch(groups, adv, device):
+    """Pack prompt + completion per sequence (S = groups x G sequences, L = the longest prompt +
+    completion, T = the longest completion): ids (S, L), valid (S, L), pos (S, T), mask (S, T),
+    engine_logp (S, T), truncated (S,), adv (S,)."""
+    seqs = [(g["prompt"], s) for g in groups for s in g["samples"]]
+    S = len(seqs)
+    L = max(len(p) + len(s.tokens) for p, s in seqs)
+    T = max(len(s.tokens) for _, s in seqs)
+    ids = torch.zeros(S, L, dtype=torch.long)
+    valid = torch.zeros(S, L, dtype=torch.bool)
+    pos = torch.zeros(S, T, dtype=torch.long)
+    mask = torch.zeros(S, T)
+    eng = torch.zeros(S, T)
+    trunc = torch.zeros(S, dtype=torch.bool)
+    for i, (p, s) in enumerate(seqs):
+        n = len(s.tokens)
+        ids[i, :len(p) + n] = torch.tensor(p + s.tokens)
+        valid[i, :len(p) + n] = True
+        pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)  # the hidden state predicting each token
+        mask[i, :n] = 1.0
+        eng[i, :n] = torch.tensor(s.logprobs)                   # the sampling engine's log-probs
+        trunc[i] = s.finish_reason == "length"
+    b = dict(ids=ids, valid=valid, pos=pos, mask=mask, engine_logp=eng, truncated=trunc,
+             adv=adv.reshape(-1).float())
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def policy_logprobs(model, b, idx, temperature, entropy=False):
+    """The policy's log-probs of the completion tokens of sequences idx: (s, T), zeros off the
+    mask; with entropy=True also the per-token entropy (s, T), else None."""
+    h = model.forward_padded(b["ids"][idx], b["valid"][idx])                  # (s, L, H)
+    m = b["mask"][idx] > 0                                                    # (s, T)
+    rows = torch.arange(len(idx), device=h.device)[:, None].expand_as(m)[m]   # (n,)
+    hs = h[rows, b["pos"][idx][m]]                                            # (n, H)
+    tgt = b["ids"][idx].gather(1, b["pos"][idx] + 1)[m]                       # (n,)
+    lp, ent = M.token_logprobs(model, hs, tgt, temperature, entropy=entropy)  # (n,), (n,)
+    out = torch.zeros(m.shape, device=h.device, dtype=lp.dtype).masked_scatter(m, lp)
+    ents = torch.zeros(m.shape, device=h.device).masked_scatter(m, ent) if entropy else None
+    return out, ents
+
+
+# ----------------------------------------------------------------------------------------------------
+# The update
+
+def minibatch_plan(cfg, step, rows, S, dev):
+    """The step's optimizer steps: [(global optimizer step index, this rank's rows of it)].
+
+    Shuffle and split run over the S global sequence indices, as in one process; rows (s,) holds
+    the global index of each of this rank's sequences."""
+    where = torch.full((S,), -1, dtype=torch.long)     # global index -> this rank's row (-1: not ours)
+    where[rows] = torch.arange(len(rows))
+    per_step = cfg.epochs * cfg.minibatches
+    g = torch.Generator().manual_seed(seeded(cfg, "shuffle", step))
+    plan = []
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(S, generator=g)                                   # (S,)
+        for j, mb in enumerate(order.chunk(cfg.minibatches)):
+            ours = where[mb]
+            index = step * per_step + epoch * cfg.minibatches + j
+            plan.append((index, ours[ours >= 0].to(dev)))
+    return plan
+
+
+def ppo_update(cfg, p, step, model, b, opt_, rows, S, ctx=dist.SINGLE) -> dict:
+    """epochs x minibatches AdamW steps on the LoRA weights. Raises FloatingPointError before any
+    optimizer step whose loss or gradient norm is not finite, so no NaN reaches the weights.
+
+    b: this rank's sequences (None: it has none); rows (s,): their indices in the global batch of
+    S sequences (all of it in one process). Each rank runs its members of every minibatch under
+    the minibatch's GLOBAL token and sequence counts, and the ranks' gradients are summed before
+    each optimizer step, so every rank makes the one-process update."""
+    dev = model.model.norm.weight.device
+    plan = minibatch_plan(cfg, step, rows, S, dev)
+    total = cfg.steps * cfg.epochs * cfg.minibatches              # optimizer steps in the run
+    tis = grpo.resolve_tis_cap(p["tis_cap"])
+
+    # Global (tokens, sequences) of every minibatch, in one all-reduce for the whole step
+    local = []
+    for _, mb in plan:
+        n_tok = b["mask"][mb].sum().item() if len(mb) else 0.0
+        n_seq = (b["mask"][mb].sum(1) > 0).sum().item() if len(mb) else 0.0
+        local += [n_tok, n_seq]
+    counts = ctx.sum(local)
+
+    params = lora.lora_parameters(model)
+    stats, gnorms, t_allreduce = [], [], 0.0
+    model.train()
+    for k, (i, mb) in enumerate(plan):
+        for group in opt_.param_groups:
+            group["lr"] = cfg.lr * lr_factor(i, total, cfg.warmup_steps, cfg.lr_schedule)
+        n_tok, n_seq = counts[2 * k], counts[2 * k + 1]
+        if n_tok == 0:                                 # all masked on every rank: adds nothing
+            continue
+
+        # This rank's members of the minibatch, in micro-batches; gradients accumulate
+        parts, bad = [], 0.0
+        for c in (mb.split(cfg.micro_batch) if len(mb) else ()):
+            if b["mask"][c].sum() == 0:                # all masked: adds nothing
+                continue
+            lp, _ = policy_logprobs(model, b, c, cfg.temperature)                 # (s, T)
+            loss, st = grpo.policy_loss(
+                lp, b["old_logp"][c], b["adv"][c], b["mask"][c],
+                eps_low=p["eps_low"], eps_high=p["eps_high"], agg=p["agg"],
+                max_len=cfg.max_new_tokens, beta=p["beta"],
+                ref_logp=b["ref_logp"][c] if p["beta"] > 0 else None,
+                engine_logp=b["engine_logp"][c], tis_cap=tis,
+                num_tokens=n_tok, num_seqs=n_seq)      # normalised by the global counts
+            if not torch.isfinite(loss):
+                bad = loss.item()
+                break
+            loss.backward()
+            parts.append(st)
+
+        # The one-process gradient on every rank (a non-finite loss anywhere stops all ranks)
+        bad, secs = ctx.sum_grads(params, bad)
+        t_allreduce += secs
+        if not math.isfinite(bad):
+            raise FloatingPointError(f"the loss is {bad} at step {step}")
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+        if not math.isfinite(gnorm):
+            raise FloatingPointError(f"the gradient norm is {gnorm} at step {step}")
+        opt_.step()
+        opt_.zero_grad(set_to_none=True)
+        stats.append(parts)
+        gnorms.append(gnorm)
+    model.eval()
+    if not stats:
+        return {}
+
+    # Metrics of the global minibatches, from every rank's micro-batches
+    ranks = ctx.gather(stats)
+    merged = [runlog.merge_stats([st for r in ranks for st in r[j]]) for j in range(len(stats))]
+    out = runlog.mean_over_minibatches(merged)
+    out["grad_norm"] = sum(gnorms) / len(gnorms)
+    out["lr"] = opt_.param_groups[0]["lr"]
+    if ctx.world > 1:
+        out["t_allreduce"] = t_allreduce
+    return out

@@ -1,0 +1,164 @@
+"""train_setup.py: what train.py does before and around its RL steps: load the data and the policy,
+build the rollout engine, evaluate on the held-out rows, and open (or resume) the run folder.
+
+    python train.py --algo dapo        # runs these functions; this file has no command of its own
+
+Every check raises train_config.Stop with a one-line message, so that train.py can refuse a bad
+set-up before it writes anything. Under torchrun (dist.py) every rank runs all of it; rank 0 alone
+writes (write_run), and only once every rank's set-up has worked.
+"""
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import data
+import dist
+import eval as evaluation
+import fsutil
+import model as M
+import noise
+import quantize
+import runlog
+import tiny
+from train_config import Config, Stop
+
+
+# ----------------------------------------------------------------------------------------------------
+# Data and policy
+
+def load_data(cfg: Config) -> tuple[list, list]:
+    """Training rows and held-out evaluation rows, which never share a row."""
+    rows, stats = data.load_rows(cfg.task, cfg.data, seed=cfg.seed)
+    skipped = [f"{v} {k[len('skipped_'):].replace('_', ' ')}"           # e.g. "3 bad gold"
+               for k, v in stats.items() if k.startswith("skipped_") and v]
+    line = f"data: {stats['rows']} usable rows of {stats['read']} read from {stats['source']}"
+    if skipped:
+        line += f"; skipped: {', '.join(skipped)}"
+    print(line)
+
+    # A separate evaluation task: its rows cannot be training rows
+    if cfg.eval_task is not None and (cfg.eval_task != cfg.task or cfg.data is not None):
+        eval_rows = data.load_rows(cfg.eval_task, limit=cfg.eval_limit)[0]
+        print(f"eval: {len(eval_rows)} rows of {cfg.eval_task}")
+        return rows, eval_rows
+
+    # The same task: hold out its last rows (load_rows shuffled them with the seed)
+    if len(rows) < 2 * cfg.eval_limit:
+        raise Stop(f"task {cfg.task} has {len(rows)} rows, fewer than 2 x --eval-limit "
+                   f"({cfg.eval_limit}) needed to hold some out for evaluation: "
+                   "lower --eval-limit, or pass --eval-task")
+    print(f"eval: the last {cfg.eval_limit} of the {len(rows)} shuffled rows are held out "
+          "(never trained on)")
+    return rows[:-cfg.eval_limit], rows[-cfg.eval_limit:]
+
+
+def load_policy(cfg: Config, dev: torch.device):
+    """(model folder, tokenizer, model), with one-line errors for folders that cannot be used."""
+    from transformers import AutoTokenizer
+
+    folder = tiny.tiny_model_dir(cfg.seed) if cfg.model == "tiny" else cfg.model
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32     # fp32 on CPU: exact tests
+    try:
+        local = quantize.resolve_model_dir(str(folder))                  # a hub id is downloaded here
+        json.loads((local / "config.json").read_text())                  # a clear error if malformed
+        tok = AutoTokenizer.from_pretrained(local)
+        model = M.Model.from_pretrained(str(local), device=dev, dtype=dtype,
+                                        quantize_on_load=cfg.base == "nvfp4")
+    except quantize.QuantizeError as e:
+        raise Stop(str(e)) from None
+    except FileNotFoundError as e:
+        raise Stop(f"--model {folder}: {e.filename or e} is missing; "
+                   "pass a complete HF folder") from None
+    except json.JSONDecodeError as e:
+        raise Stop(f"--model {folder}: config.json is not valid JSON ({e}); "
+                   "re-download it") from None
+    except torch.cuda.OutOfMemoryError:
+        raise Stop(f"--model {folder} does not fit on this GPU: use --base nvfp4, "
+                   "or a smaller model") from None
+
+    # An NVFP4 folder cannot give back the bf16 weights it was made from
+    if cfg.base == "bf16" and any(lin.words is not None for _, lin in model.linears()):
+        raise Stop(f"{folder} is an NVFP4 checkpoint: pass its bf16 original for --base bf16")
+    return str(local), tok, model
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine and evaluation
+
+def make_engine(cfg: Config, model, model_dir: str, dev, max_len: int, ctx=dist.SINGLE):
+    """The rollout engine of --engine: the built-in one over the trainer's own model (it sees
+    every update at once), or vLLM over a folder (the adapter is synced after every update)."""
+    if cfg.engine == "builtin":
+        per_rank = -(-cfg.prompts_per_step // ctx.world)      # the largest rank's share of a round
+        return evaluation.make_engine("builtin", model, max_len=max_len,
+                                      max_batch=per_rank * cfg.group_size)
+
+    # vLLM reads a folder: the NVFP4 one the trainer's base was quantized to (written once, reused)
+    vdir = model_dir
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if cfg.base == "nvfp4" and "quantization_config" not in raw:
+        vdir = Path("runs/.cache") / (Path(model_dir).name + "-NVFP4")
+        if not vdir.exists():
+            quantize.quantize_checkpoint(model_dir, str(vdir), device=dev.type)
+    kw = {"dtype": "float32"} if dev.type == "cpu" else {}                # the trainer's dtype
+    return evaluation.make_engine("vllm", model_dir=str(vdir), max_model_len=max_len, **kw)
+
+
+def evaluate(cfg, model, engine, tok, rows, stops, run, step, ctx=dist.SINGLE) -> dict:
+    """Greedy accuracy of the current policy without AQN noise (vLLM: woken, adapter synced).
+    Under torchrun the rows are split over the ranks, and rank 0 writes the merged samples."""
+    noise.clear(model)                                   # held-out accuracy is the clean policy's
+    if cfg.engine == "vllm":
+        engine.wake()
+        engine.set_noise(None)
+        if step > 0:
+            engine.sync_lora(model)
+    s = evaluation.evaluate(engine, tok, rows, n=1, temperature=0.0,
+                            max_new_tokens=cfg.max_new_tokens, fmt=cfg.fmt, seed=cfg.seed,
+                            stop_ids=stops, progress=False, ctx=ctx,
+                            out_dir=str(run / "eval" / f"step_{step:06d}"))
+    return dict(eval_accuracy=s["pass@1"],
+                eval_parse_fail=s["parse_fail_rate"],
+                eval_format_rate=s["format_rate"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run folder
+
+def open_run(cfg: Config, resume: Path | None, model, opt_, stamp: str,
+             ctx=dist.SINGLE) -> tuple[Path, int]:
+    """The run folder and its first step: a new one (checked here, made by write_run), or a
+    resumed run's latest checkpoint loaded into the model and optimizer (by every rank).
+    Writes nothing, except that rank 0 removes what an interrupted checkpoint write left."""
+    if resume is None:
+        run = Path(cfg.out or f"runs/{cfg.algo}-{stamp}")
+        if (run / "metrics.jsonl").exists():
+            raise Stop(f"{run} already holds a run: pass --resume {run}, or another --out")
+        return run, 0
+
+    if ctx.main:
+        for stale in checkpoint.clean_stale(resume):
+            print(f"removed {stale}, left by an interrupted checkpoint write")
+    try:
+        start = checkpoint.load(resume, model, opt_)
+    except checkpoint.CheckpointError as e:
+        raise Stop(str(e)) from None
+    if start >= cfg.steps:
+        raise Stop(f"{resume} already finished its {start} steps: "
+                   f"pass --steps N with N > {start} to extend it")
+    return resume, start
+
+
+def write_run(cfg: Config, run: Path, start: int, resumed: bool):
+    """Rank 0's first writes, once every rank's set-up worked: a new run folder with its
+    config.json, or a resumed run's config.json and its metrics cut back to the checkpoint's step
+    (the steps after it are replayed, so they are logged again)."""
+    if not resumed:
+        checkpoint.folder(run).mkdir(parents=True, exist_ok=True)
+    fsutil.atomic_write_text(run / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    if resumed:
+        runlog.truncate(run, start)
+        print(f"resumed {run} at step {start} of {cfg.steps}")
