@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import data
+import eval as evaluation
 import grpo
 import noise
-import rollout
 
 
 def seeded(cfg, *keys) -> int:
@@ -234,7 +234,7 @@ def check_config(cfg: Config) -> dict:
         raise Stop(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use; "
                    "leave --device out (or --device cpu)")
     if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise Stop(rollout.VLLM_MISSING)
+        raise Stop(evaluation.VLLM_MISSING)
     return p
 
 

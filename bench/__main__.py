@@ -11,6 +11,7 @@
     python -m bench kernels --parts attn    # decode attention (attention.py) vs torch SDPA
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper GPUs take
     python -m bench vllm [--shape small]    # the vLLM backend against the built-in engine (flags: vllm --help)
+    python -m bench dist [--smoke]          # weak / strong scaling of an RL step over 1, 2, 4 GPUs (torchrun)
 
 Run it from the repository root (python -m puts the root on sys.path, so the stage modules import). The entry point
 only parses flags and dispatches; the measurements live below it and import their shared machinery from
@@ -21,6 +22,7 @@ bench/common.py, never from here:
     model_speed.py   model, rollout, train
     profiling.py     profile, one
     vllm_speed.py    vllm (flags of its own)
+    scaling.py       dist (flags of its own; each GPU count is a torchrun job running bench/scaling.py --worker)
 
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight of as many bytes as the NVFP4 one (9/32 of the rows:
 "same-bytes bound") and a kernel that only streams the NVFP4 words and scales ("read floor", an estimate).
@@ -45,9 +47,14 @@ def vllm(argv):
     return vllm_speed.main(argv) or 0
 
 
-# Subcommands with flags of their own: their module's main gets the rest of the command line. A benchmark over
-# several GPUs joins here the same way ("dist": bench/dist.py, its helpers imported from bench.common).
-OWN_FLAGS = {"vllm": vllm}
+def dist(argv):
+    from bench import scaling
+
+    return scaling.main(argv) or 0
+
+
+# Subcommands with flags of their own: their module's main gets the rest of the command line.
+OWN_FLAGS = {"vllm": vllm, "dist": dist}
 
 
 def main(argv=None):
@@ -61,7 +68,7 @@ def main(argv=None):
                          "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
                          "decode step (--size, first of --batches) or of an RL step's train half (--train); "
                          "vllm: the vLLM backend's tokens/s against the built-in engine (its own flags: "
-                         "python -m bench vllm --help)")
+                         "python -m bench vllm --help); dist: scaling over GPUs (python -m bench dist --help)")
     ap.add_argument("--size", default="7b", choices=sorted(QWEN),
                     help="model shape for model / rollout / train, and the linear shapes of `kernels --parts gemm`")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")

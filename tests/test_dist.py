@@ -276,3 +276,17 @@ def test_philox_noise_on_cuda():
     assert R.philox_noise(keys, 0, 1, False)[0, 0].item() == (2 * (0x6627e8d5 >> 9) + 1) / 2**24
     e = R.philox_noise(keys, 3, 152064, True)                               # a Qwen2.5 vocabulary
     assert torch.equal(R.philox_noise(keys[1:], 3, 152064, True), e[1:]) and e.isfinite().all() and (e > 0).all()
+
+
+def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
+    """python -m bench dist --smoke: 1 and 2 gloo processes through the benchmark's torchrun jobs, one table."""
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "dist", "--smoke", "--modes", "weak", "--steps", "2",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(row["mode"], row["gpus"]) for row in rows] == [("weak", 1), ("weak", 2)]
+    assert all(row["step_s"] > 0 and row["tokens_s"] > 0 for row in rows)
+    assert rows[1]["allreduce_alone_s"] > 0 and rows[0]["allreduce_alone_s"] == 0   # only 2 ranks all-reduce
+    assert "efficiency" in r.stdout

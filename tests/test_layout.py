@@ -10,9 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Import edges that are known and about to go, each with the reason it is still here.
-KNOWN = {
-    ("rollout", "rollout_vllm"),  # removed when rollout.py no longer imports rollout_vllm
-}
+KNOWN: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -1,10 +1,10 @@
-"""bench_dist.py: weak and strong scaling of one RL step over several GPUs (torchrun), with its time split.
+"""bench/scaling.py (python -m bench dist): weak and strong scaling of one RL step over several GPUs (torchrun), with its time split.
 
-    python bench_dist.py                             # 1, 2 and 4 GPUs (those present), weak and strong: one table
-    python bench_dist.py --gpus 1,2 --modes weak     # a part of it
-    python bench_dist.py --smoke                     # the same plumbing on 1 and 2 CPU processes (gloo, tiny model)
+    python -m bench dist                             # 1, 2 and 4 GPUs (those present), weak and strong: one table
+    python -m bench dist --gpus 1,2 --modes weak     # a part of it
+    python -m bench dist --smoke                     # the same plumbing on 1 and 2 CPU processes (gloo, tiny model)
 
-The step is `bench.py train`'s: Qwen2.5-7B shapes with random weights (NVFP4 base), LoRA r32 on every linear, 256
+The step is `python -m bench train`'s: Qwen2.5-7B shapes with random weights (NVFP4 base), LoRA r32 on every linear, 256
 prompt tokens, 8 samples a prompt of 512 new tokens each (EOS ignored), random rewards, the trainer's pi_old and 2
 minibatch updates in micro-batches of 8; but through train.py's own several-GPU code: each rank rolls out its share
 of the prompts with its own engine, ppo.ppo_update splits the global batch into the global minibatches and sums
@@ -27,9 +27,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__" and sys.path[0] == str(ROOT / "bench"):  # torchrun runs this file as a script:
+    sys.path[0] = str(ROOT)                                           # import the stages, not bench/'s modules
 
-import fsutil
+import torch  # noqa: E402
+
+import fsutil  # noqa: E402
 
 
 def sync(dev):
@@ -38,14 +42,14 @@ def sync(dev):
 
 
 def build(args, dev):
-    """The policy: bench.py's random Qwen2.5 shape on this rank's GPU, or the built-in tiny model (--smoke)."""
-    import bench
+    """The policy: bench.common's random Qwen2.5 shape on this rank's GPU, or the built-in tiny model (--smoke)."""
     import model as M
     import tiny
+    from bench.common import random_model
 
     if args.smoke:
         return M.Model.from_pretrained(str(tiny.tiny_model_dir(0)), device=dev, dtype=torch.float32)
-    return bench.random_model(args.size, args.base == "nvfp4")   # on the current device (dist.init set it)
+    return random_model(args.size, args.base == "nvfp4")   # on the current device (dist.init set it)
 
 
 def pure_allreduce(params, ctx, reps: int = 5) -> float:
@@ -154,7 +158,7 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens generated per sample (EOS ignored)")
     ap.add_argument("--steps", type=int, default=4, help="RL steps per job; the first is a warm-up, not timed; medians of the rest")
-    ap.add_argument("--size", default="7b", choices=["7b", "32b"], help="the model shape (bench.py QWEN)")
+    ap.add_argument("--size", default="7b", choices=["7b", "32b"], help="the model shape (bench.common.QWEN)")
     ap.add_argument("--base", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on every linear (alpha = 2 x rank)")
     ap.add_argument("--smoke", action="store_true", help="CPU processes (gloo) and the tiny model: checks the "
@@ -172,7 +176,7 @@ def main(argv=None):
     print("config:", json.dumps(vars(args)))
     have = 2 if args.smoke else torch.cuda.device_count()
     if have == 0:
-        print("error: bench_dist.py needs CUDA GPUs (or --smoke: CPU processes)", file=sys.stderr)
+        print("error: python -m bench dist needs CUDA GPUs (or --smoke: CPU processes)", file=sys.stderr)
         return 2
     counts = [n for n in (int(x) for x in args.gpus.split(",")) if n <= have]
     rows = []
