@@ -76,7 +76,9 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="with rollout: skip transformers generate")
     ap.add_argument("--no-grad-checkpoint", action="store_true",
                     help="with train: keep every layer's activations instead of recomputing them in backward")
-    ap.add_argument("--lora-rank", type=int, default=0, help="with profile: LoRA of this rank on every linear")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="with profile / rollout: LoRA of this rank on every linear (random nonzero B)")
+    ap.add_argument("--bases", default="nvfp4,bf16", help="with rollout: the base weights to time")
     ap.add_argument("--train", default=None, choices=["nvfp4", "bf16"],
                     help="with profile: the train half of `train` (this base) instead of a decode step")
     ap.add_argument("--prefill", action="store_true",
@@ -123,7 +125,8 @@ def main(argv=None):
         if args.what == "model":
             bench_model(out, args.size)
         elif args.what == "rollout":
-            bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens, hf=not args.no_hf)
+            bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")], args.new_tokens,
+                          hf=not args.no_hf, lora_rank=args.lora_rank, bases=args.bases.split(","))
         else:
             bench_rl_step(out, args.size, new_tokens=args.new_tokens, recompute=not args.no_grad_checkpoint)
     parts = args.parts.split(",") if args.what == "kernels" else []

@@ -46,13 +46,20 @@ def bench_model(out: dict, size: str = "7b"):
 
 
 def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256, bases=("nvfp4", "bf16"),
-                  hf: bool = True):
-    """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS ignored."""
+                  hf: bool = True, lora_rank: int = 0):
+    """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS ignored.
+    lora_rank > 0: a LoRA of that rank on every linear, with random nonzero B (as an RL rollout carries)."""
+    import lora
     import rollout
 
     rows = []
     for base in bases:
         m = random_model(size, base == "nvfp4")
+        if lora_rank:
+            lora.add_lora(m, lora_rank, 2.0 * lora_rank, seed=0)
+            with torch.no_grad():
+                for p_ in lora.lora_parameters(m):
+                    p_.normal_(0, 0.01)          # nonzero A and B: the LoRA product at its real cost
         emb = m.model.embed_tokens.weight  # a decode step gathers B rows of it (unless tied: the lm_head reads it all)
         wb = weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())   # bytes a step reads
         for B in batches:
@@ -70,13 +77,13 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
                 torch.cuda.synchronize()
                 dt1, toks = time.time() - t0, sum(len(o.tokens) for o in outs)
                 kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
-                row = dict(size=size, base=base, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
+                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
                            decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
                            roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
                            peak_GB=torch.cuda.max_memory_allocated() / 1e9)
                 del eng
             except torch.cuda.OutOfMemoryError:
-                row = dict(size=size, base=base, batch=B, oom=True)
+                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, oom=True)
             torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
