@@ -1,6 +1,10 @@
-"""The RL objective of nanoqerl: GRPO, DAPO and Dr.GRPO as pure tensor functions.
+"""grpo.py: the RL objective of nanoqerl: GRPO, DAPO and Dr.GRPO as pure tensor functions.
 
-What is here (see ../shared/DESIGN.md, "Facts: the RL objective"):
+    python train.py --algo dapo     # train.py and ppo.py call these; --algo picks a preset
+    pytest tests/test_grpo.py       # each formula against numbers worked out by hand
+
+What is here (each formula's source is named where it is defined: the GRPO, DAPO and Dr.GRPO
+papers, verl, TRL):
   - group-relative advantages, with (GRPO, DAPO) or without (Dr.GRPO) the std normalisation;
   - DAPO dynamic sampling (drop all-equal groups) and the bookkeeping to refill the batch;
   - DAPO overlong reward shaping and the optional masking of truncated samples;
