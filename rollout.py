@@ -131,7 +131,7 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
     u = u * cdf[:, -1:]                                   # the cumsum's total is 1 up to rounding
     tok = torch.searchsorted(cdf, u)[:, 0].clamp(max=cdf.shape[-1] - 1)
     finite = torch.isfinite(logp.gather(-1, tok[:, None])[:, 0])
-    tok = torch.where(finite, tok, logp.argmax(-1))       # never a -inf token (rounding at the end)
+    tok = torch.where(finite, tok, logp.argmax(-1))   # never a -inf token (the clamp may pick one)
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
@@ -261,8 +261,9 @@ class Engine:
         pos = self._pad(pos, b)
         valid = self._pad(valid, b)
         if (b, kv) not in self.graphs:
-            # its slot 0: the warm-up steps write keys/values there, so keep the real ones
             buf = self._buffers(b)
+            # the buffers' slot is 0: the warm-up steps write keys/values there, so keep the real
+            # ones
             saved_k = self.cache.k[:, :b, :, :1].clone()
             saved_v = self.cache.v[:, :b, :, :1].clone()
             stream = torch.cuda.Stream()
