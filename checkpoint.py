@@ -1,17 +1,19 @@
-"""checkpoint.py: train.py's checkpoints: write them atomically, find the last good one, load it safely.
+"""checkpoint.py: train.py's checkpoints: write them atomically, find the last good one, load it
+safely.
 
-    run/checkpoints/step_000020/adapter/      the LoRA adapter in PEFT's format (loads in peft and eval.py)
-    run/checkpoints/step_000020/state.pt      step, AdamW state, RNG states: tensors and plain types only
-    run/checkpoints/step_000020/config.json   the run's flat config (the same as run/config.json)
-    run/checkpoints/latest                    the name of the newest complete checkpoint
+    run/checkpoints/step_000020/adapter/     the LoRA adapter in PEFT's format (peft, eval.py)
+    run/checkpoints/step_000020/state.pt     step, AdamW state, RNG states: tensors, plain types
+    run/checkpoints/step_000020/config.json  the run's flat config (the same as run/config.json)
+    run/checkpoints/latest                   the name of the newest complete checkpoint
 
-A checkpoint folder is filled beside its final name and renamed into place (fsutil.atomic_dir), then `latest` is
-replaced, so a kill at any moment leaves either the old or the new checkpoint, and at worst a hidden temporary that
-`clean_stale` removes on the next resume. Every checkpoint is good by construction: `save` refuses an adapter with a
-NaN or inf, and train.py stops before an optimizer step whose gradient is not finite.
+A checkpoint folder is filled beside its final name and renamed into place (fsutil.atomic_dir),
+then `latest` is replaced, so a kill at any moment leaves either the old or the new checkpoint,
+and at worst a hidden temporary that `clean_stale` removes on the next resume. Every checkpoint is
+good by construction: `save` refuses an adapter with a NaN or inf, and train.py stops before an
+optimizer step whose gradient is not finite.
 
-state.pt loads with `torch.load(weights_only=True)`: a run folder from someone else cannot run code when it is
-resumed. A state file that needs more than tensors and plain types is refused.
+state.pt loads with `torch.load(weights_only=True)`: a run folder from someone else cannot run
+code when it is resumed. A state file that needs more than tensors and plain types is refused.
 Leaves out: keeping only the last N checkpoints (delete old step_* folders by hand).
 """
 import json
@@ -37,12 +39,15 @@ def save(run: Path, step: int, model, optimizer, config: dict, base_model: str) 
     """Write checkpoints/step_<step> atomically and point `latest` at it. Returns its folder."""
     state = lora.adapter_state(model)
     if not all(torch.isfinite(t).all() for t in state.values()):
-        raise FloatingPointError(f"the LoRA weights hold NaN or inf at step {step}: not saving them")
+        raise FloatingPointError(f"the LoRA weights hold NaN or inf at step {step}: not saving "
+                                 "them")
     target = folder(run) / f"step_{step:06d}"
     with fsutil.atomic_dir(target, replace=True) as tmp:
         lora.save_adapter(model, tmp / "adapter", base_model=base_model)
-        rng = dict(torch=torch.get_rng_state(), python=random.getstate())  # python: (int, tuple of ints, None)
-        torch.save(dict(step=step, optimizer=optimizer.state_dict(), rng=rng), tmp / "state.pt")
+        # python's state is (int, tuple of ints, None): plain types, so weights_only loads it
+        rng = dict(torch=torch.get_rng_state(), python=random.getstate())
+        resume_state = dict(step=step, optimizer=optimizer.state_dict(), rng=rng)
+        torch.save(resume_state, tmp / "state.pt")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     fsutil.atomic_write_text(folder(run) / "latest", target.name)
     return target
@@ -58,18 +63,21 @@ def latest(run: Path) -> Path | None:
 
 
 def load(run: Path, model, optimizer) -> int:
-    """Load the latest checkpoint's adapter, optimizer and RNG states into place. Returns its step (0: none)."""
+    """Load the latest checkpoint's adapter, optimizer and RNG states into place. Returns its step
+    (0: none)."""
     ck = latest(run)
     if ck is None:
         return 0
     try:
         state = torch.load(ck / "state.pt", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{ck / 'state.pt'} holds objects other than tensors and plain types, and loading "
-                              f"it could run code: refusing it ({str(e).splitlines()[0]})") from None
-    except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{ck / 'state.pt'} cannot be read ({type(e).__name__}: {e}); delete {ck} to "
-                              f"resume from the checkpoint before it") from None
+    except pickle.UnpicklingError as e:                 # weights_only met a class it will not build
+        first = str(e).splitlines()[0]
+        raise CheckpointError(f"{ck / 'state.pt'} holds objects other than tensors and plain "
+                              f"types, and loading it could run code: refusing it ({first})"
+                              ) from None
+    except (RuntimeError, EOFError, OSError) as e:      # truncated or corrupt
+        raise CheckpointError(f"{ck / 'state.pt'} cannot be read ({type(e).__name__}: {e}); "
+                              f"delete {ck} to resume from the checkpoint before it") from None
     lora.load_adapter(model, ck / "adapter")
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -79,12 +87,14 @@ def load(run: Path, model, optimizer) -> int:
 
 
 def clean_stale(run: Path) -> list[Path]:
-    """Remove the temporaries a killed checkpoint write left (hidden .step_* folders, a half-written `latest`)."""
+    """Remove the temporaries a killed checkpoint write left (hidden .step_* folders, a
+    half-written `latest`)."""
     return fsutil.clean_stale(folder(run))
 
 
 def where(run: Path, save_every: int) -> str:
-    """One phrase for a stop message: the last good checkpoint and the resume command, or that there is none."""
+    """One phrase for a stop message: the last good checkpoint and the resume command, or that
+    there is none."""
     ck = latest(run)
     if ck is None:
         return f"no checkpoint was written yet (one every --save-every {save_every} steps)"

@@ -1,19 +1,23 @@
-"""dist.py: the several-process plumbing of train.py and eval.py under torchrun (torch.distributed), in one place.
+"""dist.py: the several-process plumbing of train.py and eval.py under torchrun
+(torch.distributed), in one place.
 
-    torchrun --nproc_per_node=4 train.py --algo dapo ...            # 4 GPUs of one machine: cuda:0 .. cuda:3 (NCCL)
-    torchrun --nproc_per_node=2 train.py --device cpu ...           # 2 CPU processes (gloo): what the tests run
-    torchrun --nproc_per_node=4 eval.py --model DIR --task gsm8k    # the rows split over 4 GPUs
+    torchrun --nproc_per_node=4 train.py --algo dapo ...    # 4 GPUs of one machine: cuda:0 .. 3
+    torchrun --nproc_per_node=2 train.py --device cpu ...   # 2 CPU processes (gloo): the tests
+    torchrun --nproc_per_node=4 eval.py --model DIR --task gsm8k   # the rows split over 4 GPUs
 
-`init` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE). Without it, or with one
-process, it returns SINGLE: no process group, and every helper below is the identity, so `python train.py` runs the
-same code as before. With several, each rank takes cuda:LOCAL_RANK (NCCL) or the CPU (gloo). Work is split by whole
-units (prompt groups, evaluation rows): rank r takes the contiguous units [r * n // N, (r + 1) * n // N).
+`init` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE). Without it,
+or with one process, it returns SINGLE: no process group, and every helper below is the identity,
+so `python train.py` runs the same code as before. With several, each rank takes cuda:LOCAL_RANK
+(NCCL) or the CPU (gloo). Work is split by whole units (prompt groups, evaluation rows): rank r
+takes the contiguous units [r * n // N, (r + 1) * n // N).
 
-Every bad set-up is one line on every rank before anything is written: more ranks than units, more ranks on a machine
-than GPUs, a backend this torch lacks, --engine vllm (see VLLM_UNDER_TORCHRUN). A failure on one rank only (a GPU
-that cannot hold the model) reaches the others through `first_error`, so they all stop with the same line.
-Leaves out: several machines' worth of testing (torchrun's --nnodes works, unmeasured), overlapping the gradient
-all-reduce with backward (a LoRA's gradient is ~1 ms of NCCL per optimizer step: ../shared/DESIGN.md).
+Every bad set-up is one line on every rank before anything is written: more ranks than units,
+more ranks on a machine than GPUs, a backend this torch lacks, --engine vllm (see
+VLLM_UNDER_TORCHRUN). A failure on one rank only (a GPU that cannot hold the model) reaches the
+others through `first_error`, so they all stop with the same line.
+Leaves out: several machines' worth of testing (torchrun's --nnodes works, unmeasured),
+overlapping the gradient all-reduce with backward (a LoRA's gradient is ~1 ms of NCCL per
+optimizer step: ../shared/DESIGN.md).
 """
 import datetime
 import hashlib
@@ -24,22 +28,28 @@ import time
 import torch
 import torch.distributed as td
 
-# Why vLLM is refused under torchrun: each rank would need its own engine on cuda:LOCAL_RANK, but vLLM sets up its own
-# torch.distributed state and inside a torchrun job has to run in its "external_launcher" mode, which has not been
-# measured here. One process with --engine vllm, or torchrun with the built-in engine, both work.
-VLLM_UNDER_TORCHRUN = ("--engine vllm runs in one process only: under torchrun each rank rolls out with the built-in "
-                       "engine (leave --engine out), or run one process with --engine vllm")
+# Why vLLM is refused under torchrun: each rank would need its own engine on cuda:LOCAL_RANK, but
+# vLLM sets up its own torch.distributed state and inside a torchrun job has to run in its
+# "external_launcher" mode, which has not been measured here. One process with --engine vllm, or
+# torchrun with the built-in engine, both work.
+VLLM_UNDER_TORCHRUN = ("--engine vllm runs in one process only: under torchrun each rank rolls "
+                       "out with the built-in engine (leave --engine out), or run one process "
+                       "with --engine vllm")
 
 
 class DistError(RuntimeError):
-    """A set-up that cannot run with this many processes: train.py and eval.py print it as one line (exit code 2)."""
+    """A set-up that cannot run with this many processes: train.py and eval.py print it as one line
+    (exit code 2)."""
 
 
 class Dist:
-    """rank / world and the few collectives train.py and eval.py use; world 1 makes each one the identity."""
+    """rank / world and the few collectives train.py and eval.py use; world 1 makes each one the
+    identity."""
 
     def __init__(self, rank=0, world=1, local_rank=0, device=None):
-        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.rank = rank
+        self.world = world
+        self.local_rank = local_rank
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.main = rank == 0
 
@@ -50,7 +60,8 @@ class Dist:
     def _reduce(self, values, op) -> list[float]:
         if self.world == 1:
             return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
+                         device=self._comm_device())
         td.all_reduce(t, op=op)
         return t.tolist()
 
@@ -70,10 +81,11 @@ class Dist:
         return out
 
     def first_error(self, err: Exception | None) -> Exception | None:
-        """Collective: every rank learns the first rank's error (None when all succeeded). A failure that only some
-        ranks met is prefixed with the rank, so the line says where it happened."""
+        """Collective: every rank learns the first rank's error (None when all succeeded). A failure
+        that only some ranks met is prefixed with the rank, so the line says where it happened."""
         if self.world == 1:
             return err
+        # the message and exit code travel, not the exception (it may not pickle)
         mine = None if err is None else (str(err), getattr(err, "code", 2))
         errs = self.gather(mine)
         failed = [(r, e) for r, e in enumerate(errs) if e is not None]
@@ -87,8 +99,9 @@ class Dist:
         return out
 
     def on_main(self, fn):
-        """Run fn() on rank 0 only; every rank returns its result or raises its exception (so a failed write stops all
-        ranks together instead of leaving the others waiting in the next collective)."""
+        """Run fn() on rank 0 only; every rank returns its result or raises its exception (so a
+        failed write stops all ranks together instead of leaving the others waiting in the next
+        collective)."""
         res = err = None
         if self.main:
             try:
@@ -100,14 +113,17 @@ class Dist:
             td.broadcast_object_list(box, src=0)
             res, e = box[0]
             if e is not None and err is None:
-                known = (FloatingPointError, OSError, RuntimeError, ValueError)   # what train.py / eval.py catch
-                err = (e[0] if issubclass(e[0], known) else RuntimeError)(e[1])
+                # rebuild rank 0's exception here: its own type when train.py / eval.py catch it
+                known = (FloatingPointError, OSError, RuntimeError, ValueError)
+                kind = e[0] if issubclass(e[0], known) else RuntimeError
+                err = kind(e[1])
         if err is not None:
             raise err
         return res
 
     def check_same(self, tensors, what: str):
-        """Raise on every rank unless `tensors` are bit-identical on all ranks (a sha256 of their bytes)."""
+        """Raise on every rank unless `tensors` are bit-identical on all ranks (a sha256 of their
+        bytes)."""
         if self.world == 1:
             return
         h = hashlib.sha256()
@@ -117,29 +133,36 @@ class Dist:
         digests = self.gather(h.hexdigest())
         if len(set(digests)) > 1:
             bad = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise DistError(f"{what} differ between rank 0 and rank(s) {bad}: the ranks no longer train one model "
-                               "(a bug: please report it with the command line)")
+            raise DistError(f"{what} differ between rank 0 and rank(s) {bad}: the ranks no longer "
+                            "train one model (a bug: please report it with the command line)")
 
     def sum_grads(self, params, extra: float = 0.0) -> tuple[float, float]:
-        """Replace every parameter's gradient by its sum over the ranks (None counts as zeros): ONE all-reduce of a
-        flat buffer holding all of them and `extra` (train.py: a loss that was not finite). Returns (extra summed,
-        seconds). The time starts after the queued work (CUDA sync), so it is the transfer plus the wait for the
-        slowest rank, not the backward before it."""
+        """Replace every parameter's gradient by its sum over the ranks (None counts as zeros): ONE
+        all-reduce of a flat buffer holding all of them and `extra` (train.py: a loss that was not
+        finite). Returns (extra summed, seconds). The time starts after the queued work (CUDA
+        sync), so it is the transfer plus the wait for the slowest rank, not the backward before
+        it."""
         if self.world == 1:
             return extra, 0.0
-        flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1) for q in params]
-                         + [torch.tensor([extra], dtype=params[0].dtype, device=params[0].device)])  # (numel + 1,)
+        grads = [(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1)
+                 for q in params]
+        tail = torch.tensor([extra], dtype=params[0].dtype, device=params[0].device)
+        flat = torch.cat(grads + [tail])                                   # (numel + 1,)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
         t0 = time.perf_counter()
         td.all_reduce(flat)
-        extra, secs = flat[-1].item(), time.perf_counter() - t0          # .item() waits for the all-reduce
+        extra = flat[-1].item()                                  # .item() waits for the all-reduce
+        secs = time.perf_counter() - t0
+        # views into the summed buffer: the optimizer reads them, zero_grad drops them
         off = 0
-        for q in params:  # views into the summed buffer: the optimizer reads them, zero_grad drops them
-            q.grad, off = flat[off:off + q.numel()].view_as(q), off + q.numel()
+        for q in params:
+            q.grad = flat[off:off + q.numel()].view_as(q)
+            off += q.numel()
         return extra, secs
 
     def _comm_device(self):
+        # gloo reduces CPU tensors; NCCL only GPU ones
         return self.device if td.get_backend() == "nccl" else torch.device("cpu")
 
     def close(self):
@@ -155,43 +178,61 @@ def env_world() -> int:
 
 
 def init(device: str | None, units: int, what: str, engine: str = "builtin") -> Dist:
-    """The run's Dist: SINGLE without torchrun, else a process group over the ranks (see the module docstring).
-    device: --device (None: cuda when present); units: how many units are split, `what` names them for the error
-    (e.g. "--prompts-per-step"). Every check runs before the process group forms, alike on every rank: each prints
-    the same line."""
+    """The run's Dist: SINGLE without torchrun, else a process group over the ranks (see the module
+    docstring). device: --device (None: cuda when present); units: how many units are split,
+    `what` names them for the error (e.g. "--prompts-per-step"). Every check runs before the
+    process group forms, alike on every rank: each prints the same line."""
     world = env_world()
     if world == 1:
-        return Dist(device=torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        default = "cuda" if torch.cuda.is_available() else "cpu"
+        return Dist(device=torch.device(device or default))
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+    # the checks, on every rank alike
     if engine != "builtin":
         raise DistError(VLLM_UNDER_TORCHRUN)
     if world > units:
-        raise DistError(f"torchrun started {world} ranks but {what} is {units}: each rank needs at least one; use "
-                        f"--nproc_per_node {units} or fewer")
+        raise DistError(f"torchrun started {world} ranks but {what} is {units}: each rank needs "
+                        f"at least one; use --nproc_per_node {units} or fewer")
     if device not in (None, "cpu", "cuda"):
-        raise DistError(f"--device {device}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device cuda (or "
-                        "cpu), and pick the GPUs with CUDA_VISIBLE_DEVICES")
+        raise DistError(f"--device {device}: under torchrun each rank takes cuda:LOCAL_RANK; pass "
+                        "--device cuda (or cpu), and pick the GPUs with CUDA_VISIBLE_DEVICES")
     cuda = device != "cpu" and torch.cuda.is_available()
     if device == "cuda" and not cuda:
-        raise DistError("--device cuda: this machine has no CUDA GPU that torch can use; pass --device cpu (gloo)")
+        raise DistError("--device cuda: this machine has no CUDA GPU that torch can use; pass "
+                        "--device cpu (gloo)")
     backend = "nccl" if cuda else "gloo"
     if not td.is_available():
-        raise DistError("this torch build has no torch.distributed: run one process (python, not torchrun)")
-    if not (td.is_nccl_available() if cuda else td.is_gloo_available()):
-        fix = ("install a CUDA build of torch (./setup.sh), or pass --device cpu for gloo" if cuda else
-               "install a torch build with gloo (the PyPI builds have it), or run one process")
-        raise DistError(f"torchrun needs the {backend} backend, which this torch build lacks: {fix}")
+        raise DistError("this torch build has no torch.distributed: run one process (python, not "
+                        "torchrun)")
+    has_backend = td.is_nccl_available() if cuda else td.is_gloo_available()
+    if not has_backend:
+        if cuda:
+            fix = "install a CUDA build of torch (./setup.sh), or pass --device cpu for gloo"
+        else:
+            fix = "install a torch build with gloo (the PyPI builds have it), or run one process"
+        raise DistError(f"torchrun needs the {backend} backend, which this torch build lacks: "
+                        f"{fix}")
     if cuda and local_world > torch.cuda.device_count():
+        n_gpus = torch.cuda.device_count()
         raise DistError(f"torchrun started {local_world} ranks on this machine but torch sees "
-                        f"{torch.cuda.device_count()} GPU(s): use --nproc_per_node {torch.cuda.device_count()} or "
-                        "fewer (one GPU per rank), or check CUDA_VISIBLE_DEVICES")
+                        f"{n_gpus} GPU(s): use --nproc_per_node {n_gpus} or fewer (one GPU per "
+                        "rank), or check CUDA_VISIBLE_DEVICES")
+
+    # the process group
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    try:  # the timeout bounds how long ranks wait for one that died without a word (torchrun usually stops them first)
-        td.init_process_group(backend, timeout=datetime.timedelta(minutes=30), device_id=dev if cuda else None)
+    # the timeout bounds how long ranks wait for one that died without a word (torchrun usually
+    # stops them first)
+    try:
+        td.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
+                              device_id=dev if cuda else None)
     except (RuntimeError, ValueError) as e:
-        raise DistError(f"torch.distributed could not start ({backend}): {str(e).splitlines()[0]}; check "
-                        "MASTER_ADDR / MASTER_PORT (a port in use: torchrun --master_port)") from None
+        first = str(e).splitlines()[0]                  # torch's message runs to many lines
+        raise DistError(f"torch.distributed could not start ({backend}): {first}; check "
+                        "MASTER_ADDR / MASTER_PORT (a port in use: torchrun --master_port)"
+                        ) from None
     return Dist(rank, world, local, dev)

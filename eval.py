@@ -1,17 +1,22 @@
-"""eval.py: accuracy on GSM8K / MATH-500 / AIME24 / AIME25 / AMC23 (and the synthetic task), any model we load.
+"""eval.py: accuracy on GSM8K / MATH-500 / AIME24 / AIME25 / AMC23 (and the synthetic task), any
+model we load.
 
-    python eval.py --model Qwen2.5-7B-Instruct-NVFP4 --task gsm8k                      # greedy pass@1
-    python eval.py --model DIR --adapter runs/dapo/checkpoints/step_000100/adapter --task math500 --n 4 --temperature 0.6
-    python eval.py --model runs/tiny-qwen2 --task gsm8k --limit 4 --engine builtin      # tiny, CPU
-    torchrun --nproc_per_node=4 eval.py --model DIR --task math500 --num-samples 4 --temperature 0.6  # 4 GPUs
+    python eval.py --model Qwen2.5-7B-Instruct-NVFP4 --task gsm8k                  # greedy pass@1
+    python eval.py --model DIR --adapter runs/dapo/checkpoints/step_000100/adapter \\
+        --task math500 --n 4 --temperature 0.6
+    python eval.py --model runs/tiny-qwen2 --task gsm8k --limit 4 --engine builtin  # tiny, CPU
+    torchrun --nproc_per_node=4 eval.py --model DIR --task math500 --num-samples 4 \\
+        --temperature 0.6                                                          # 4 GPUs
 
-Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for k = 1, 2, 4, ...
-<= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and the mean response length. Writes
-`samples.jsonl` (every prompt, response, extracted answer and score) and `summary.json` to --out. Uses the same
-prompts, answer extraction and fail-closed scoring as training (data.py). Sample k of row j is drawn with seed
---seed + j * n + k (the engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
-processes share the rows: under torchrun (dist.py) each rank evaluates a contiguous share of the rows with the built-in
-engine on its GPU, and rank 0 merges them into the same files and numbers one process writes.
+Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for
+k = 1, 2, 4, ... <= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and
+the mean response length. Writes `samples.jsonl` (every prompt, response, extracted answer and
+score) and `summary.json` to --out. Uses the same prompts, answer extraction and fail-closed
+scoring as training (data.py). Sample k of row j is drawn with seed --seed + j * n + k (the
+engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
+processes share the rows: under torchrun (dist.py) each rank evaluates a contiguous share of the
+rows with the built-in engine on its GPU, and rank 0 merges them into the same files and numbers
+one process writes.
 
 Leaves out: majority voting, LLM judges, multiple-choice letter matching, code tasks.
 """
@@ -34,8 +39,8 @@ import dist  # noqa: E402
 import fsutil  # noqa: E402
 import rollout  # noqa: E402
 
-VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned vllm "
-                "on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; "
+VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned "
+                "vllm on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; "
                 "or use the default --engine builtin")
 
 
@@ -56,31 +61,42 @@ def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct."""
-    if n - c < k:
+    if n - c < k:               # every draw of k samples holds a correct one
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             max_new_tokens: int = 1024, fmt: str = "boxed", seed: int = 0, batch_prompts: int = 32,
-             out_dir: str | None = None, progress: bool = True, stop_ids: list[int] | None = None,
-             ctx=dist.SINGLE) -> dict:
+             max_new_tokens: int = 1024, fmt: str = "boxed", seed: int = 0,
+             batch_prompts: int = 32, out_dir: str | None = None, progress: bool = True,
+             stop_ids: list[int] | None = None, ctx=dist.SINGLE) -> dict:
     """Generate n completions for each row, score them, and summarise (see the module docstring).
 
-    stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the tokenizer was read from.
-    ctx (dist.py): this rank evaluates its share of the rows; every rank returns the summary of all rows; rank 0
-    writes the files."""
+    stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the
+    tokenizer was read from.
+    ctx (dist.py): this rank evaluates its share of the rows; every rank returns the summary of all
+    rows; rank 0 writes the files."""
     from tqdm import tqdm
 
-    t0, records, per_prompt = time.time(), [], []
+    t0 = time.time()
+    records = []                # one dict per sample (samples.jsonl)
+    per_prompt = []             # correct samples per prompt
     lo, hi = ctx.share(len(rows))
     prompts = [data.prompt_token_ids(tokenizer, r["question"], fmt) for r in rows[lo:hi]]
-    stops = stop_ids if stop_ids is not None else data.stop_token_ids(tokenizer, tokenizer.name_or_path or None)
-    with tqdm(total=hi - lo, desc="eval", unit="prompt", disable=not (progress and ctx.main)) as bar:
+    if stop_ids is not None:
+        stops = stop_ids
+    else:
+        stops = data.stop_token_ids(tokenizer, tokenizer.name_or_path or None)
+
+    # generate and score this rank's rows, batch_prompts at a time
+    quiet = not (progress and ctx.main)
+    with tqdm(total=hi - lo, desc="eval", unit="prompt", disable=quiet) as bar:
         for s in range(lo, hi, batch_prompts):
             chunk = rows[s:min(hi, s + batch_prompts)]
-            outs = engine.generate(prompts[s - lo:s - lo + len(chunk)], n=n, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, stop_token_ids=stops, seed=seed + s * n)
+            outs = engine.generate(prompts[s - lo:s - lo + len(chunk)], n=n,
+                                   max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, stop_token_ids=stops,
+                                   seed=seed + s * n)        # row j's sample k: seed + j * n + k
             for i, row in enumerate(chunk):
                 mine = [o for o in outs if o.prompt_idx == i]
                 correct = 0
@@ -88,55 +104,83 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
                     text = tokenizer.decode(o.tokens, skip_special_tokens=True)
                     sc = data.score(text, row["gold"], row["kind"], fmt)
                     correct += sc["correct"]
-                    records.append(dict(index=row.get("index", s + i), question=row["question"], gold=row["gold"],
-                                        response=text, pred=sc["pred"], correct=sc["correct"],
-                                        parse_failed=sc["parse_failed"], format_ok=sc["format_ok"],
-                                        length=len(o.tokens), finish_reason=o.finish_reason))
+                    records.append(dict(index=row.get("index", s + i),
+                                        question=row["question"],
+                                        gold=row["gold"],
+                                        response=text,
+                                        pred=sc["pred"],
+                                        correct=sc["correct"],
+                                        parse_failed=sc["parse_failed"],
+                                        format_ok=sc["format_ok"],
+                                        length=len(o.tokens),
+                                        finish_reason=o.finish_reason))
                 per_prompt.append(correct)
             bar.update(len(chunk))
-    shares = ctx.gather((records, per_prompt))  # in rank order, which is row order
-    records, per_prompt = [x for r, _ in shares for x in r], [c for _, cs in shares for c in cs]
+
+    # every rank's records, in rank order, which is row order
+    shares = ctx.gather((records, per_prompt))
+    records = [x for r, _ in shares for x in r]
+    per_prompt = [c for _, cs in shares for c in cs]
+
+    # pass@1 with a normal 95% interval over prompts: mean +- 1.96 sd / sqrt(P), clipped to [0, 1]
     P = len(per_prompt)
     p1 = [c / n for c in per_prompt]
     mean = sum(p1) / P
     sd = math.sqrt(sum((x - mean) ** 2 for x in p1) / max(1, P - 1))
-    summary = {"prompts": P, "samples_per_prompt": n, "pass@1": mean,
-               "pass@1_ci95": [max(0.0, mean - 1.96 * sd / math.sqrt(P)), min(1.0, mean + 1.96 * sd / math.sqrt(P))],
-               **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in per_prompt) / P for k in (2 ** i for i in range(1, 10)) if k <= n},
-               "parse_fail_rate": sum(r["parse_failed"] for r in records) / len(records),
-               "format_rate": sum(r["format_ok"] for r in records) / len(records),
-               "mean_length": sum(r["length"] for r in records) / len(records),
-               "truncated_rate": sum(r["finish_reason"] == "length" for r in records) / len(records),
-               "seconds": time.time() - t0}
-    if out_dir and ctx.main:  # each file appears whole or not at all (a temporary beside it, then a rename)
+    half = 1.96 * sd / math.sqrt(P)
+    ks = [k for k in (2 ** i for i in range(1, 10)) if k <= n]
+    R = len(records)
+    summary = {"prompts": P,
+               "samples_per_prompt": n,
+               "pass@1": mean,
+               "pass@1_ci95": [max(0.0, mean - half), min(1.0, mean + half)]}
+    for k in ks:
+        summary[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in per_prompt) / P
+    summary["parse_fail_rate"] = sum(r["parse_failed"] for r in records) / R
+    summary["format_rate"] = sum(r["format_ok"] for r in records) / R
+    summary["mean_length"] = sum(r["length"] for r in records) / R
+    summary["truncated_rate"] = sum(r["finish_reason"] == "length" for r in records) / R
+    summary["seconds"] = time.time() - t0
+
+    # each file appears whole or not at all (a temporary beside it, then a rename)
+    if out_dir and ctx.main:
         out = Path(out_dir)
-        fsutil.atomic_write_text(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+        lines = "".join(json.dumps(r) + "\n" for r in records)
+        fsutil.atomic_write_text(out / "samples.jsonl", lines)
         fsutil.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Evaluate a model (bf16 or NVFP4, optionally with a LoRA adapter) on a math task.")
-    ap.add_argument("--model", required=True, help="HF folder or hub id, bf16 or our NVFP4 checkpoint")
-    ap.add_argument("--adapter", default=None, help="a LoRA adapter folder (PEFT format) to apply")
+    ap = argparse.ArgumentParser(description="Evaluate a model (bf16 or NVFP4, optionally with a "
+                                             "LoRA adapter) on a math task.")
+    ap.add_argument("--model", required=True,
+                    help="HF folder or hub id, bf16 or our NVFP4 checkpoint")
+    ap.add_argument("--adapter", default=None,
+                    help="a LoRA adapter folder (PEFT format) to apply")
     ap.add_argument("--task", default="gsm8k", help=f"one of: {', '.join(data.TASKS)}")
     ap.add_argument("--data", default=None, help="JSONL path overriding the task's bundled file")
     ap.add_argument("--n", "--num-samples", dest="n", type=int, default=1,
-                    help="samples per prompt (pass@1 is their mean; pass@k for k <= n); under torchrun write "
-                         "--num-samples (torchrun reads --n as an abbreviation of its own flags)")
+                    help="samples per prompt (pass@1 is their mean; pass@k for k <= n); under "
+                         "torchrun write --num-samples (torchrun reads --n as an abbreviation of "
+                         "its own flags)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per response")
     ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
     ap.add_argument("--fmt", default="boxed", choices=data.FORMATS, help="prompt / answer format")
-    ap.add_argument("--engine", default="builtin", choices=["builtin", "vllm"], help="rollout backend")
+    ap.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
+                    help="rollout backend")
     ap.add_argument("--batch-prompts", type=int, default=32, help="prompts per generate call")
-    ap.add_argument("--quantize-on-load", action="store_true", help="quantize a bf16 model to NVFP4 while loading")
+    ap.add_argument("--quantize-on-load", action="store_true",
+                    help="quantize a bf16 model to NVFP4 while loading")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-    ap.add_argument("--out", default=None, help="output folder (default: runs/eval-<task>-<time>)")
+    ap.add_argument("--out", default=None,
+                    help="output folder (default: runs/eval-<task>-<time>)")
     args = ap.parse_args(argv)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone
         print("config:", json.dumps(vars(args)))
+
     ctx = dist.SINGLE
     try:
         rows, stats = data.load_rows(args.task, args.data, args.limit)
@@ -145,8 +189,9 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:  # under torchrun only rank 0 prints; every rank prints its errors (stderr)
-        with open(os.devnull, "w") as null, contextlib.redirect_stdout(sys.stdout if ctx.main else null):
-            return run_eval(args, rows, stats, ctx)
+        with open(os.devnull, "w") as null:
+            with contextlib.redirect_stdout(sys.stdout if ctx.main else null):
+                return run_eval(args, rows, stats, ctx)
     finally:
         ctx.close()
 
@@ -159,14 +204,17 @@ def run_eval(args, rows, stats, ctx) -> int:
 
     stamp = ctx.gather(time.strftime("%Y%m%d-%H%M%S"))[0]  # rank 0's clock names the output folder
     engine = err = None
+
+    # set-up: tokenizer, stop tokens and the engine; errors are collected, then shared by the ranks
     try:
         model_dir = quantize.resolve_model_dir(args.model)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        stops = data.stop_token_ids(tok, model_dir)  # before loading the model: a bad folder fails fast
+        stops = data.stop_token_ids(tok, model_dir)  # before the model: a bad folder fails fast
         max_prompt = max(len(data.prompt_token_ids(tok, r["question"], args.fmt)) for r in rows)
         batch = args.batch_prompts * args.n
         if args.engine == "builtin":
-            model = M.Model.from_pretrained(args.model, device=ctx.device, quantize_on_load=args.quantize_on_load)
+            model = M.Model.from_pretrained(args.model, device=ctx.device,
+                                            quantize_on_load=args.quantize_on_load)
             if args.adapter:
                 lora.load_adapter(model, args.adapter)
             engine = make_engine("builtin", model, max_batch=batch,
@@ -177,26 +225,32 @@ def run_eval(args, rows, stats, ctx) -> int:
             if args.adapter:
                 engine.load_adapter_dir(args.adapter)
     except torch.cuda.OutOfMemoryError:
-        err = RuntimeError(f"--model {args.model} does not fit on {ctx.device}: pass an NVFP4 checkpoint (or "
-                           "--quantize-on-load), or a smaller model")
+        err = RuntimeError(f"--model {args.model} does not fit on {ctx.device}: pass an NVFP4 "
+                           "checkpoint (or --quantize-on-load), or a smaller model")
     except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
         err = e
     err = ctx.first_error(err)  # a failure on any rank stops every rank here
+
+    # the evaluation
     try:
         if err is not None:
             raise err
         out = args.out or f"runs/eval-{args.task}-{stamp}"
-        s = evaluate(engine, tok, rows, args.n, args.temperature, args.top_p, args.max_new_tokens, args.fmt,
-                     args.seed, args.batch_prompts, out, stop_ids=stops, ctx=ctx)
+        s = evaluate(engine, tok, rows, args.n, args.temperature, args.top_p,
+                     args.max_new_tokens, args.fmt, args.seed, args.batch_prompts, out,
+                     stop_ids=stops, ctx=ctx)
     except (ValueError, FileNotFoundError, RuntimeError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if hasattr(engine, "close"):  # vLLM keeps process-wide state: free it
             engine.close()
-    print(f"{args.task}: pass@1 {s['pass@1']:.4f} (95% CI {s['pass@1_ci95'][0]:.4f}-{s['pass@1_ci95'][1]:.4f}) over "
-          f"{s['prompts']} prompts x {args.n}; parse failures {s['parse_fail_rate']:.3f}; mean length "
-          f"{s['mean_length']:.1f}; rows skipped {stats.get('skipped_no_answer', 0) + stats.get('skipped_bad_gold', 0)}")
+
+    lo, hi = s["pass@1_ci95"]
+    skipped = stats.get("skipped_no_answer", 0) + stats.get("skipped_bad_gold", 0)
+    print(f"{args.task}: pass@1 {s['pass@1']:.4f} (95% CI {lo:.4f}-{hi:.4f}) over "
+          f"{s['prompts']} prompts x {args.n}; parse failures {s['parse_fail_rate']:.3f}; "
+          f"mean length {s['mean_length']:.1f}; rows skipped {skipped}")
     print(f"wrote {out}/samples.jsonl and {out}/summary.json")
     return 0
 

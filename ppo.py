@@ -57,7 +57,9 @@ def make_batch(groups, adv, device):
         n = len(s.tokens)
         ids[i, :len(p) + n] = torch.tensor(p + s.tokens)
         valid[i, :len(p) + n] = True
-        pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)  # the hidden state predicting each token
+        # the hidden state at position j predicts token j + 1: completion token t is read at
+        # len(p) - 1 + t
+        pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)
         mask[i, :n] = 1.0
         eng[i, :n] = torch.tensor(s.logprobs)                   # the sampling engine's log-probs
         trunc[i] = s.finish_reason == "length"
@@ -80,7 +82,7 @@ def policy_logprobs(model, b, idx, temperature, entropy=False):
     return out, ents
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The update
 
 def minibatch_plan(cfg, step, rows, S, dev):
@@ -88,7 +90,7 @@ def minibatch_plan(cfg, step, rows, S, dev):
 
     Shuffle and split run over the S global sequence indices, as in one process; rows (s,) holds
     the global index of each of this rank's sequences."""
-    where = torch.full((S,), -1, dtype=torch.long)     # global index -> this rank's row (-1: not ours)
+    where = torch.full((S,), -1, dtype=torch.long)  # global index -> this rank's row (-1: not ours)
     where[rows] = torch.arange(len(rows))
     per_step = cfg.epochs * cfg.minibatches
     g = torch.Generator().manual_seed(seeded(cfg, "shuffle", step))

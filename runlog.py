@@ -1,13 +1,15 @@
-"""runlog.py: train.py's metrics: one JSON line a step in run/metrics.jsonl, optional tensorboard / W&B, and curves.png.
+"""runlog.py: train.py's metrics: one JSON line a step in run/metrics.jsonl, optional tensorboard /
+W&B, and curves.png.
 
     python train.py --plot runs/dapo-20261122-120000      # redraw curves.png from metrics.jsonl
 
-Every training step appends one row (reward, accuracy, format rate, entropy, mismatch, importance weights, sigma,
-timings, ...); an evaluation adds `eval_accuracy` (greedy, held-out prompts) to the row of the step it follows,
-and step 0 holds the baseline evaluation before any update. Two accuracies are never mixed up: `accuracy` is the
-training batch's sampled accuracy (temperature 1, training prompts), `eval_accuracy` the greedy one on held-out
-prompts. The curves draw training metrics as lines and evaluations as markers only: two evaluations joined by a
-line would suggest a steady rise that was never measured.
+Every training step appends one row (reward, accuracy, format rate, entropy, mismatch, importance
+weights, sigma, timings, ...); an evaluation adds `eval_accuracy` (greedy, held-out prompts) to
+the row of the step it follows, and step 0 holds the baseline evaluation before any update. Two
+accuracies are never mixed up: `accuracy` is the training batch's sampled accuracy (temperature 1,
+training prompts), `eval_accuracy` the greedy one on held-out prompts. The curves draw training
+metrics as lines and evaluations as markers only: two evaluations joined by a line would suggest a
+steady rise that was never measured.
 Leaves out: smoothing, and comparing several runs in one figure (the experiment scripts do that).
 """
 import json
@@ -15,19 +17,27 @@ from pathlib import Path
 
 # (title, y label, [(metric key, legend label, drawn as "line" or "marker")])
 PANELS = [
-    ("Reward", "mean reward of the batch", [("reward", "shaped reward (training samples)", "line")]),
-    ("Accuracy", "fraction correct", [("accuracy", "training, sampled (T = 1)", "line"),
-                                      ("eval_accuracy", "held-out, greedy", "marker")]),
-    ("Answer format", "fraction of samples", [("format_rate", "well-formed answer", "line"),
-                                              ("parse_fail", "no answer found", "line")]),
-    ("Policy entropy", "nats per token", [("entropy", "sampled tokens", "line")]),
-    ("Response length", "tokens", [("resp_len", "mean completion length", "line")]),
-    ("Engine vs trainer", "nats per token", [("mismatch_abs", "|log p engine - log p trainer|", "line"),
-                                             ("kl_ref", "KL to the base policy", "line")]),
-    ("Importance weights", "pi_trainer / pi_engine", [("tis_weight_mean", "mean (after the cap)", "line"),
-                                                      ("tis_weight_max", "max (after the cap)", "line"),
-                                                      ("tis_capped_frac", "fraction capped", "line")]),
-    ("AQN noise", "sigma", [("sigma", "sigma of the norm noise", "line")]),
+    ("Reward", "mean reward of the batch",
+     [("reward", "shaped reward (training samples)", "line")]),
+    ("Accuracy", "fraction correct",
+     [("accuracy", "training, sampled (T = 1)", "line"),
+      ("eval_accuracy", "held-out, greedy", "marker")]),
+    ("Answer format", "fraction of samples",
+     [("format_rate", "well-formed answer", "line"),
+      ("parse_fail", "no answer found", "line")]),
+    ("Policy entropy", "nats per token",
+     [("entropy", "sampled tokens", "line")]),
+    ("Response length", "tokens",
+     [("resp_len", "mean completion length", "line")]),
+    ("Engine vs trainer", "nats per token",
+     [("mismatch_abs", "|log p engine - log p trainer|", "line"),
+      ("kl_ref", "KL to the base policy", "line")]),
+    ("Importance weights", "pi_trainer / pi_engine",
+     [("tis_weight_mean", "mean (after the cap)", "line"),
+      ("tis_weight_max", "max (after the cap)", "line"),
+      ("tis_capped_frac", "fraction capped", "line")]),
+    ("AQN noise", "sigma",
+     [("sigma", "sigma of the norm noise", "line")]),
 ]
 
 
@@ -60,15 +70,19 @@ def mean_over_minibatches(stats: list[dict]) -> dict:
 
 def read(run: Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 def truncate(run: Path, start: int) -> None:
-    """Keep only the rows of steps before `start` (a resume replays the steps after its checkpoint)."""
+    """Keep only the rows of steps before `start` (a resume replays the steps after its
+    checkpoint)."""
     import fsutil
 
     rows = [r for r in read(run) if r.get("step", 0) < start]
-    fsutil.atomic_write_text(Path(run) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    fsutil.atomic_write_text(Path(run) / "metrics.jsonl", text)
 
 
 def writers(cfg: dict, run: Path) -> list:
@@ -84,13 +98,18 @@ def writers(cfg: dict, run: Path) -> list:
 
 
 def log(run: Path, row: dict, extra_writers=()) -> None:
-    """Append one row to metrics.jsonl (one short write: a kill leaves at worst a last partial line) and mirror it."""
+    """Append one row to metrics.jsonl (one short write: a kill leaves at worst a last partial
+    line) and mirror it."""
     with open(Path(run) / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     for kind, w in extra_writers:
         for k, v in row.items():
-            if isinstance(v, (int, float)) and k != "step":
-                w.add_scalar(k, v, row["step"]) if kind == "tb" else w.log({k: v}, step=row["step"])
+            if not isinstance(v, (int, float)) or k == "step":
+                continue
+            if kind == "tb":
+                w.add_scalar(k, v, row["step"])
+            else:
+                w.log({k: v}, step=row["step"])
 
 
 def first_eval(run: Path) -> float | None:
@@ -100,16 +119,16 @@ def first_eval(run: Path) -> float | None:
 def plot(run: Path) -> Path:
     """Draw curves.png for a run folder: one panel per group of PANELS that has data."""
     import matplotlib
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")                   # no display needed
     import matplotlib.pyplot as plt
 
     run = Path(run)
     rows = read(run)
     panels = [p for p in PANELS if any(key in r for key, _, _ in p[2] for r in rows)]
     cols = 4
-    nrows = max(1, (len(panels) + cols - 1) // cols)
+    nrows = max(1, (len(panels) + cols - 1) // cols)                  # ceil(panels / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels):]:     # the unused cells of the last row
         ax.axis("off")
     for ax, (title, ylabel, keys) in zip(axes.flat, panels):
         for key, label, style in keys:
@@ -129,7 +148,8 @@ def plot(run: Path) -> Path:
     fig.suptitle(f"{run.name}", fontsize=12)
     fig.tight_layout()
     out = run / "curves.png"
-    tmp = run / ".curves.png.tmp-plot.png"  # beside its target; savefig picks the format from the suffix
+    # beside its target, then renamed over it; savefig picks the format from the suffix
+    tmp = run / ".curves.png.tmp-plot.png"
     fig.savefig(tmp, dpi=80)
     plt.close(fig)
     tmp.replace(out)

@@ -1,5 +1,5 @@
-"""train.py: GRPO / DAPO / Dr.GRPO with an NVFP4 base + LoRA + AQN, on one GPU, several (torchrun), or a
-CPU for the small default.
+"""train.py: GRPO / DAPO / Dr.GRPO with an NVFP4 base + LoRA + AQN, on one GPU, several
+(torchrun), or a CPU for the small default.
 
     python train.py --algo dapo                               # the built-in default (see README)
     python train.py --algo dapo --model Qwen/Qwen2.5-7B-Instruct --task gsm8k_train --steps 500 \\
@@ -60,7 +60,7 @@ from train_setup import (evaluate, load_data, load_policy, make_engine,  # noqa:
                          open_run, write_run)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rollout, rewards, the training batch
 
 def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx=dist.SINGLE):
@@ -80,7 +80,8 @@ def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx=dist.SING
     seed = seeded(cfg, "sample", step, round_) + lo * G                # prompt lo's first stream
     samples = engine.generate(prompts, n=G, max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p,
-                              stop_token_ids=stops, seed=seed)         # (len(picks) * G,) group-major
+                              stop_token_ids=stops, seed=seed)
+    # samples: (len(picks) * G,) group-major, sample k of prompt i at i * G + k
     t_roll = time.time() - t0
 
     cache = round(p["overlong_cache_frac"] * cfg.max_new_tokens)      # DAPO's soft overlong window
@@ -199,7 +200,7 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
     t1 = time.time()
     dev = model.model.norm.weight.device
     b, ent_sum, n_mask = None, 0.0, 0.0
-    if batch:                              # this rank's groups (under torchrun a rank may have none)
+    if batch:                              # this rank's groups (under torchrun it may have none)
         rewards = torch.stack([g["rewards"] for g in batch])                    # (B, G)
         adv = grpo.group_advantages(rewards, p["std_normalize"])                # (B, G)
         b = make_batch(batch, adv, dev)
@@ -240,7 +241,7 @@ def finish_times(times: dict, ctx, tokens: float) -> dict:
     return dict(rollout_tok_s=tokens / max(out["t_rollout"], 1e-9), **out)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The run
 
 def main(argv=None):

@@ -1,12 +1,14 @@
-"""train_config.py: train.py's one flat config, its command line, and the checks that run before anything is written.
+"""train_config.py: train.py's one flat config, its command line, and the checks that run before
+anything is written.
 
     python train.py --help                        # every flag, with its default and what it does
 
-Config holds every knob of a run; `python train.py` prints it as one JSON line at start, and it is saved in the
-run folder and in every checkpoint. The RL knobs whose default is None take it from the --algo preset
-(grpo.PRESETS), or from the model's defaults (train.py's SMALL_DEFAULTS). Resuming keeps the saved config and lets
-only RESUMABLE flags change; any other flag given with --resume is refused by name, never silently ignored.
-check_config turns every bad flag into one line (Stop) before a model is loaded or a folder is made.
+Config holds every knob of a run; `python train.py` prints it as one JSON line at start, and it is
+saved in the run folder and in every checkpoint. The RL knobs whose default is None take it from
+the --algo preset (grpo.PRESETS), or from the model's defaults (model_defaults below). Resuming
+keeps the saved config and lets only RESUMABLE flags change; any other flag given with --resume is
+refused by name, never silently ignored. check_config turns every bad flag into one line (Stop)
+before a model is loaded or a folder is made.
 Leaves out: config files (the flags and the saved config.json are the whole story).
 """
 import argparse
@@ -27,10 +29,13 @@ import noise
 
 def seeded(cfg, *keys) -> int:
     """A seed derived from (seed, keys), stable across processes (so --resume replays the draws)."""
-    return int(hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()[:15], 16)
+    # sha256, not hash(): Python salts hash() per process. 15 hex digits: 60 bits, a valid seed
+    digest = hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()
+    return int(digest[:15], 16)
 
 
 def opt(default, help, **kw):
+    """A Config field with its --help text (build_parser turns each field into a flag)."""
     return field(default=default, metadata=dict(help=help, **kw))
 
 
@@ -40,13 +45,15 @@ SCHEDULES = ("constant", "linear", "cosine")
 @dataclass
 class Config:
     """Every flag of train.py (see --help); None = the preset's or the model's default."""
-    algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (grpo.PRESETS); the flags below override it")
-    model: str = opt("models/arith-cpu", "HF folder or hub id: the shipped small model (pretrain.py), "
-                                         "'tiny' (a random tiny Qwen2, for plumbing tests) or a real one")
+    algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (grpo.PRESETS); the flags below "
+                            "override it")
+    model: str = opt("models/arith-cpu", "HF folder or hub id: the shipped small model "
+                                         "(pretrain.py), 'tiny' (a random tiny Qwen2, for "
+                                         "plumbing tests) or a real one")
     base: str = opt("nvfp4", "base precision: nvfp4 (a bf16 checkpoint is quantized while loading) "
                              "or bf16")
     task: str = opt(None, f"training data: {', '.join(data.TASKS)} (default: the model's, see "
-                          "train.py MODEL_DEFAULTS)")
+                          "train_config.py model_defaults)")
     data: str = opt(None, "JSONL path (or hub name) with the rows of --task; needs --task")
     fmt: str = opt("boxed", "answer format: boxed or think")
     steps: int = opt(None, "RL steps (default: the model's)")
@@ -54,46 +61,51 @@ class Config:
     group_size: int = opt(8, "G, completions per prompt")
     max_new_tokens: int = opt(None, "completion length limit (default: the model's)")
     temperature: float = opt(1.0, "sampling temperature (the trainer's log-probs use the same)")
-    top_p: float = opt(1.0, "nucleus sampling mass (1 keeps engine and trainer log-probs identical)")
-    lr: float = opt(None, "peak AdamW learning rate of the LoRA weights (default: the model's; 1e-5, "
-                          "QeRL's NVFP4 choice, for a real model)")
-    lr_schedule: str = opt("constant", "learning rate after warm-up: constant, linear or cosine (to 0 at "
-                                       "the last optimizer step)")
-    warmup_steps: int = opt(0, "linear warm-up, in OPTIMIZER steps (epochs x minibatches per RL step). "
-                               "The schedule follows the RL step: a step that dynamic sampling leaves "
-                               "without a batch makes no update but still moves the schedule on")
+    top_p: float = opt(1.0, "nucleus sampling mass (1 keeps engine and trainer log-probs "
+                            "identical)")
+    lr: float = opt(None, "peak AdamW learning rate of the LoRA weights (default: the model's; "
+                          "1e-5, QeRL's NVFP4 choice, for a real model)")
+    lr_schedule: str = opt("constant", "learning rate after warm-up: constant, linear or cosine "
+                                       "(to 0 at the last optimizer step)")
+    warmup_steps: int = opt(0, "linear warm-up, in OPTIMIZER steps (epochs x minibatches per RL "
+                               "step). The schedule follows the RL step: a step that dynamic "
+                               "sampling leaves without a batch makes no update but still moves "
+                               "the schedule on")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping")
     lora_rank: int = opt(None, "LoRA rank (default: the model's; 32 for a real model)")
     lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default: the model's)")
     epochs: int = opt(1, "passes over each rollout batch")
     minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
-    micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a minibatch)")
-    std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not (Dr.GRPO)")
+    micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a "
+                               "minibatch)")
+    std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not "
+                                    "(Dr.GRPO)")
     eps_low: float = opt(None, "PPO clip below 1")
     eps_high: float = opt(None, "PPO clip above 1 (DAPO clip-higher: 0.28)")
     agg: str = opt(None, f"loss aggregation: {', '.join(grpo.AGGREGATIONS)}")
     beta: float = opt(None, "k3 KL to the base policy (LoRA disabled); 0 = off")
     tis_cap: float = opt(None, f"TIS cap C on the weight pi_trainer / pi_engine (default "
                                f"{grpo.TIS_CAP}, every engine); 0 = no correction")
-    dynamic_sampling: bool = opt(None, "DAPO: drop groups whose answers are all right or all wrong, "
-                                       "roll out more prompts")
+    dynamic_sampling: bool = opt(None, "DAPO: drop groups whose answers are all right or all "
+                                       "wrong, roll out more prompts")
     max_sample_rounds: int = opt(None, "bound on rollout rounds per step with dynamic sampling")
     overlong_cache_frac: float = opt(None, "DAPO overlong penalty window, a fraction of "
                                            "max_new_tokens; 0 = off")
     overlong_factor: float = opt(None, "overlong penalty at the length limit")
     mask_truncated: bool = opt(None, "zero the loss of samples cut at the length limit")
-    format_weight: float = opt(None, "reward weight of a well-formed answer (default: the model's; 0 "
-                                     "for a real model)")
+    format_weight: float = opt(None, "reward weight of a well-formed answer (default: the "
+                                     "model's; 0 for a real model)")
     accuracy_weight: float = opt(1.0, "reward weight of a correct answer")
     aqn: bool = opt(True, "adaptive quantization noise in the norms")
     sigma_start: float = opt(1e-2, "AQN sigma of the first noisy stage")
     sigma_end: float = opt(5e-4, "AQN sigma of the last stage")
     aqn_stages: int = opt(10, "AQN stages, the noise-free first one included (noise.py)")
-    aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training too)")
+    aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training "
+                                         "too)")
     engine: str = opt("builtin", "rollout backend: builtin or vllm")
-    grad_checkpoint: bool = opt(None, "recompute each layer in backward (less memory; default: on, off for "
-                                      "the shipped small model)")
+    grad_checkpoint: bool = opt(None, "recompute each layer in backward (less memory; default: "
+                                      "on, off for the shipped small model)")
     eval_task: str = opt(None, "task evaluated every --eval-every steps (default: held-out rows of "
                                "the training task, never rows it trains on)")
     eval_every: int = opt(None, "evaluate every N steps (0 = only before and after training; "
@@ -109,13 +121,17 @@ class Config:
 
 # Flags that may change when a run is resumed; any other flag given with --resume is refused.
 RESUMABLE = ("steps", "eval_every", "save_every", "tensorboard", "wandb", "device")
-FLAG_TYPES = {"steps": int, "eval_every": int, "max_new_tokens": int, "lr": float, "beta": float, "eps_low": float, "eps_high": float,
-              "tis_cap": float, "max_sample_rounds": int, "overlong_cache_frac": float,
-              "overlong_factor": float, "lora_rank": int, "lora_alpha": float, "format_weight": float}
+# The types of the flags whose default is None (the parser cannot read those from the default).
+FLAG_TYPES = {"steps": int, "eval_every": int, "max_new_tokens": int,
+              "lr": float, "beta": float, "eps_low": float, "eps_high": float,
+              "tis_cap": float, "max_sample_rounds": int,
+              "overlong_cache_frac": float, "overlong_factor": float,
+              "lora_rank": int, "lora_alpha": float, "format_weight": float}
 
 
 class Stop(Exception):
-    """Bad input or an unusable run: train.py prints the message as one line and exits with `code`."""
+    """Bad input or an unusable run: train.py prints the message as one line and exits with
+    `code`."""
 
     def __init__(self, msg: str, code: int = 2):
         super().__init__(msg)
@@ -123,24 +139,26 @@ class Stop(Exception):
 
 
 def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
-    """The CLI. suppress=True leaves unset flags out of the result (to see which ones were given)."""
-    ap = argparse.ArgumentParser(description="RL (GRPO / DAPO / Dr.GRPO) on an NVFP4 base with LoRA "
-                                             "and AQN.",
+    """The CLI. suppress=True leaves unset flags out of the result (to see which ones were
+    given)."""
+    ap = argparse.ArgumentParser(description="RL (GRPO / DAPO / Dr.GRPO) on an NVFP4 base with "
+                                             "LoRA and AQN.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                  argument_default=argparse.SUPPRESS if suppress else None)
+    # the booleans whose default is None (the preset's): --x / --no-x like the other booleans
+    tristate = ("std_normalize", "dynamic_sampling", "mask_truncated", "grad_checkpoint")
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
         default = argparse.SUPPRESS if suppress else f.default
-        if isinstance(f.default, bool) or f.name in ("std_normalize", "dynamic_sampling",
-                                                    "mask_truncated", "grad_checkpoint"):
+        if isinstance(f.default, bool) or f.name in tristate:
             ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
                             help=f.metadata["help"])
         else:
             kind = FLAG_TYPES.get(f.name, type(f.default) if f.default is not None else str)
             ap.add_argument(name, type=kind, default=default, help=f.metadata["help"])
+    resumable = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
     ap.add_argument("--resume", help="continue the run in this folder from its last checkpoint; "
-                                     f"only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} "
-                                     "may change")
+                                     f"only {resumable} may change")
     ap.add_argument("--plot", help="only redraw RUN/curves.png from RUN/metrics.jsonl")
     return ap
 
@@ -152,20 +170,23 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, set]:
     return cfg, args, given - {"resume", "plot"}
 
 
-
-
-# Defaults that depend on the model; each applies only where the flag was left out. The shipped small model
-# (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy accuracy from ~0.16 within
-# minutes on a CPU. The tiny random model: the lucky-digit plumbing task. Anything else: QeRL's GSM8K recipe.
+# Defaults that depend on the model; each applies only where the flag was left out. The shipped
+# small model (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy
+# accuracy from ~0.16 within minutes on a CPU. The tiny random model: the lucky-digit plumbing
+# task. Anything else: QeRL's GSM8K recipe.
 SHIPPED = Path(__file__).resolve().parent / "models" / "arith-cpu"
-# max_new_tokens 80 for the addition task: its longest solution is about 57 tokens, and DAPO's overlong penalty
-# covers the last quarter of the limit (with 60 it paid the model to drop its "+1" tokens).
-ARITH_DEFAULTS = dict(task="arith", eval_task="arith_test", steps=20, max_new_tokens=80, lr=2e-3,
-                      lora_rank=8, lora_alpha=16.0, format_weight=0.1, eval_every=5, grad_checkpoint=False)
-TINY_DEFAULTS = dict(task="synthetic", steps=40, max_new_tokens=8, lr=5e-3, lora_rank=8,
-                     lora_alpha=16.0, format_weight=0.2, eval_every=0, grad_checkpoint=True)
-REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", steps=500, max_new_tokens=1024, lr=1e-5,
-                     lora_rank=32, lora_alpha=64.0, format_weight=0.0, eval_every=50, grad_checkpoint=True)
+# max_new_tokens 80 for the addition task: its longest solution is about 57 tokens, and DAPO's
+# overlong penalty covers the last quarter of the limit (with 60 it paid the model to drop its
+# "+1" tokens).
+ARITH_DEFAULTS = dict(task="arith", eval_task="arith_test", steps=20, max_new_tokens=80,
+                      lr=2e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.1,
+                      eval_every=5, grad_checkpoint=False)
+TINY_DEFAULTS = dict(task="synthetic", steps=40, max_new_tokens=8,
+                     lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2,
+                     eval_every=0, grad_checkpoint=True)
+REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", steps=500, max_new_tokens=1024,
+                     lr=1e-5, lora_rank=32, lora_alpha=64.0, format_weight=0.0,
+                     eval_every=50, grad_checkpoint=True)
 
 
 def model_defaults(model: str) -> dict:
@@ -177,8 +198,8 @@ def model_defaults(model: str) -> dict:
 
 
 def apply_model_defaults(cfg: Config) -> Config:
-    """Fill the flags left out (None) with the model's defaults, in place. The default model's relative path is
-    taken from the repository, wherever train.py is run from."""
+    """Fill the flags left out (None) with the model's defaults, in place. The default model's
+    relative path is taken from the repository, wherever train.py is run from."""
     if cfg.model == Config.model and not Path(cfg.model).exists():
         cfg.model = str(SHIPPED)
     for name, value in model_defaults(cfg.model).items():
@@ -188,10 +209,11 @@ def apply_model_defaults(cfg: Config) -> Config:
 
 
 def resolve_config(cfg: Config, args, given: set) -> tuple[Config, Path | None]:
-    """The run's config: a new one from the flags, or a resumed run's with the flags that may change."""
+    """The run's config: a new one from the flags, or a resumed run's with the flags that may
+    change."""
     if "data" in given and "task" not in given:
-        raise Stop(f"--data {cfg.data} needs --task to say what its rows are (e.g. --task gsm8k_train for "
-                   "GSM8K-style rows, --task math12k for MATH-style rows)")
+        raise Stop(f"--data {cfg.data} needs --task to say what its rows are (e.g. --task "
+                   "gsm8k_train for GSM8K-style rows, --task math12k for MATH-style rows)")
     if not args.resume:
         return cfg, None
     run = Path(args.resume)
@@ -201,17 +223,22 @@ def resolve_config(cfg: Config, args, given: set) -> tuple[Config, Path | None]:
     fixed = sorted(given - set(RESUMABLE))
     if fixed:
         names = ", ".join("--" + k.replace("_", "-") for k in fixed)
+        resumable = ", ".join("--" + k.replace("_", "-") for k in RESUMABLE)
         raise Stop(f"{names} cannot change when resuming {run} (they shape the replayed steps); "
-                   f"only {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)} may")
-    return dataclasses.replace(saved, **{k: getattr(cfg, k) for k in given}), run
+                   f"only {resumable} may")
+    changed = {k: getattr(cfg, k) for k in given}          # only RESUMABLE flags are left here
+    return dataclasses.replace(saved, **changed), run
 
 
 def check_config(cfg: Config) -> dict:
     """Validate every flag (one-line errors); returns the preset with the flags applied."""
     p = grpo.apply_preset(cfg.algo, dataclasses.asdict(cfg))
-    choices = (("task", cfg.task, data.TASKS), ("fmt", cfg.fmt, data.FORMATS),
-               ("base", cfg.base, ("nvfp4", "bf16")), ("aqn_where", cfg.aqn_where, noise.WHERE),
-               ("engine", cfg.engine, ("builtin", "vllm")), ("agg", p["agg"], grpo.AGGREGATIONS),
+    choices = (("task", cfg.task, data.TASKS),
+               ("fmt", cfg.fmt, data.FORMATS),
+               ("base", cfg.base, ("nvfp4", "bf16")),
+               ("aqn_where", cfg.aqn_where, noise.WHERE),
+               ("engine", cfg.engine, ("builtin", "vllm")),
+               ("agg", p["agg"], grpo.AGGREGATIONS),           # the preset's when --agg is left out
                ("lr_schedule", cfg.lr_schedule, SCHEDULES))
     for name, val, allowed in choices:
         if val not in allowed:
@@ -226,8 +253,9 @@ def check_config(cfg: Config) -> dict:
     if cfg.eval_every < 0 or cfg.warmup_steps < 0:
         raise Stop("--eval-every and --warmup-steps must be >= 0")
     if cfg.data is not None and data.is_generated(cfg.task):
-        raise Stop(f"--data {cfg.data}: task {cfg.task} is generated and reads no file; say what the "
-                   "rows are with --task (e.g. gsm8k_train for GSM8K-style rows, math12k for MATH-style)")
+        raise Stop(f"--data {cfg.data}: task {cfg.task} is generated and reads no file; say what "
+                   "the rows are with --task (e.g. gsm8k_train for GSM8K-style rows, math12k for "
+                   "MATH-style)")
     if cfg.device not in (None, "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise Stop(f"--device {cfg.device!r}: use cpu or cuda (cuda:N for one GPU of several)")
     if (cfg.device or "").startswith("cuda") and not torch.cuda.is_available():
@@ -236,5 +264,3 @@ def check_config(cfg: Config) -> dict:
     if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise Stop(evaluation.VLLM_MISSING)
     return p
-
-

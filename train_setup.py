@@ -26,7 +26,7 @@ import tiny
 from train_config import Config, Stop
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Data and policy
 
 def load_data(cfg: Config) -> tuple[list, list]:
@@ -62,8 +62,8 @@ def load_policy(cfg: Config, dev: torch.device):
     folder = tiny.tiny_model_dir(cfg.seed) if cfg.model == "tiny" else cfg.model
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32     # fp32 on CPU: exact tests
     try:
-        local = quantize.resolve_model_dir(str(folder))                  # a hub id is downloaded here
-        json.loads((local / "config.json").read_text())                  # a clear error if malformed
+        local = quantize.resolve_model_dir(str(folder))             # a hub id is downloaded here
+        json.loads((local / "config.json").read_text())             # a clear error if malformed
         tok = AutoTokenizer.from_pretrained(local)
         model = M.Model.from_pretrained(str(local), device=dev, dtype=dtype,
                                         quantize_on_load=cfg.base == "nvfp4")
@@ -85,7 +85,7 @@ def load_policy(cfg: Config, dev: torch.device):
     return str(local), tok, model
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The engine and evaluation
 
 def make_engine(cfg: Config, model, model_dir: str, dev, max_len: int, ctx=dist.SINGLE):
@@ -125,7 +125,7 @@ def evaluate(cfg, model, engine, tok, rows, stops, run, step, ctx=dist.SINGLE) -
                 eval_format_rate=s["format_rate"])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The run folder
 
 def open_run(cfg: Config, resume: Path | None, model, opt_, stamp: str,
