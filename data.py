@@ -357,9 +357,14 @@ def main() -> None:
     ap.add_argument("--task", default="gsm8k", choices=list(TASKS))
     ap.add_argument("--data", default=None,
                     help="JSONL(.gz) path or hub name, overriding the bundled file")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--fmt", default="boxed", choices=FORMATS)
+    ap.add_argument("--limit", type=int, default=3,
+                    help="read at most this many rows (shown and counted)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="shuffle the rows with this seed first (as train.py does); "
+                         "none: file order")
+    ap.add_argument("--fmt", default="boxed", choices=FORMATS,
+                    help="prompt / answer format: boxed (the answer in \\boxed{}) or think "
+                         "(<think> reasoning, then <answer>)")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer dir or hub id, to print chat-templated prompts")
     ap.add_argument("--check", action="store_true",
