@@ -601,3 +601,11 @@ def test_no_stop_token_is_an_error(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|eot_id|>"]}))
     with pytest.raises(ValueError, match="eos_token_id must be a token id"):
         data.stop_token_ids(tok, tmp_path)
+
+
+def test_readme_example_rows_load_whole():
+    """data/example/rows.jsonl (README, "Your own data"): every row usable, golds as written."""
+    root = Path(__file__).resolve().parent.parent
+    rows, stats = data.load_rows("gsm8k_train", str(root / "data" / "example" / "rows.jsonl"))
+    assert stats["read"] == stats["rows"] == 8
+    assert sorted(r["gold"] for r in rows) == sorted(["25", "112", "44", "6", "63", "12", "9", "340"])
