@@ -1,4 +1,5 @@
-"""bench/scaling.py (python -m bench dist): weak and strong scaling of one RL step over several GPUs (torchrun), with its time split.
+"""bench/scaling.py (python -m bench dist): weak and strong scaling of one RL step over several GPUs
+(torchrun), with its time split.
 
     python -m bench dist                             # 1, 2 and 4 GPUs (those present), weak and strong: one table
     python -m bench dist --gpus 1,2 --modes weak     # a part of it
@@ -125,7 +126,8 @@ def worker(args) -> int:
     peak = ctx.max([torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0])[0]
     if ctx.main:
         row = dict(mode=args.mode, gpus=world, prompts=P, sequences=P * G, step_s=mean["step"], rollout_s=rollout_s,
-                   train_s=train_s, allreduce_s=-neg_ar, allreduce_alone_s=pure, tokens_s=P * G * args.new_tokens / mean["step"], steps_s=[t["step"] for t in timed],
+                   train_s=train_s, allreduce_s=-neg_ar, allreduce_alone_s=pure,
+                   tokens_s=P * G * args.new_tokens / mean["step"], steps_s=[t["step"] for t in timed],
                    peak_GB=peak, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         fsutil.atomic_write_text(Path(args.out), json.dumps(row))
     ctx.close()
@@ -143,13 +145,15 @@ def table(rows) -> str:
         t1 = base.get(r["mode"])
         eff = (t1 / r["step_s"] if r["mode"] == "weak" else t1 / (r["gpus"] * r["step_s"])) if t1 else float("nan")
         lines.append(f"{r['mode']:<6}  {r['gpus']:>4}  {r['prompts']:>7}  {r['step_s']:>6.2f}  {r['rollout_s']:>9.2f}  "
-                     f"{r['train_s']:>7.2f}  {r['allreduce_s']:>12.4f}  {r.get('allreduce_alone_s', 0):>7.4f}  {r['tokens_s']:>8.0f}  {r['peak_GB']:>7.1f}  "
+                     f"{r['train_s']:>7.2f}  {r['allreduce_s']:>12.4f}  "
+                     f"{r.get('allreduce_alone_s', 0):>7.4f}  {r['tokens_s']:>8.0f}  {r['peak_GB']:>7.1f}  "
                      f"{100 * eff:>9.1f}%")
     return "\n".join(lines)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Weak and strong scaling of an RL step over GPUs (torchrun jobs).")
+    ap = argparse.ArgumentParser(prog="python -m bench dist",
+                                 description="Weak and strong scaling of an RL step over GPUs (torchrun jobs).")
     ap.add_argument("--gpus", default="1,2,4", help="GPU counts to run (those above the machine's count are skipped)")
     ap.add_argument("--modes", default="weak,strong", help="weak (prompts per GPU fixed), strong (global fixed)")
     ap.add_argument("--prompts", type=int, default=8, help="weak scaling: prompt groups per GPU")
@@ -157,7 +161,8 @@ def main(argv=None):
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=512, help="tokens generated per sample (EOS ignored)")
-    ap.add_argument("--steps", type=int, default=4, help="RL steps per job; the first is a warm-up, not timed; medians of the rest")
+    ap.add_argument("--steps", type=int, default=4,
+                    help="RL steps per job; the first is a warm-up, not timed; medians of the rest")
     ap.add_argument("--size", default="7b", choices=["7b", "32b"], help="the model shape (bench.common.QWEN)")
     ap.add_argument("--base", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights")
     ap.add_argument("--lora-rank", type=int, default=32, help="LoRA rank on every linear (alpha = 2 x rank)")
