@@ -37,7 +37,9 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -244,6 +246,27 @@ def finish_times(times: dict, ctx, tokens: float) -> dict:
 # --------------------------------------------------------------------------------------------------
 # The run
 
+def stop_on_ctrl_c() -> tuple[dict, object]:
+    """Ctrl-C asks the run to stop at the end of the current step; a second Ctrl-C stops at once.
+
+    The first interrupt only sets a flag that the loop reads between steps, so it never lands inside
+    a library call (a tokenizer, a progress bar's lock, a checkpoint write), where an exception
+    could leave a lock held and hang the exit. Returns the flag and the handler to put back."""
+    asked = {"stop": False}
+
+    def handler(signum, frame):
+        if asked["stop"]:
+            raise KeyboardInterrupt                       # the second Ctrl-C: now
+        asked["stop"] = True
+        # os.write, not print: a handler may run inside a print of the main thread
+        os.write(2, b"\nCtrl-C: stopping after this step (Ctrl-C again to stop now)\n")
+
+    if threading.current_thread() is not threading.main_thread():
+        return asked, None                                # signals reach the main thread only
+    return asked, signal.signal(signal.SIGINT, handler)
+
+
+
 def main(argv=None):
     cfg, args, given = parse_args(argv)
     if args.plot:
@@ -317,7 +340,8 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         if ctx.main:
             runlog.log(run, row, writers)
 
-    step = start
+    step = done = start
+    asked, old_handler = stop_on_ctrl_c()
     try:
         if start == 0:                             # the baseline, before any update
             log(dict(step=0, **evaluate(cfg, model, engine, tok, eval_rows, stops, run, 0, ctx)))
@@ -340,6 +364,9 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
                 ctx.check_same(lora.lora_parameters(model), "the LoRA adapters")
                 ctx.on_main(lambda: checkpoint.save(run, step + 1, model, opt_,
                                                     dataclasses.asdict(cfg), model_dir))
+            done = step + 1
+            if ctx.max([float(asked["stop"])])[0] and done < cfg.steps:   # any rank's Ctrl-C
+                raise KeyboardInterrupt
         final = evaluate(cfg, model, engine, tok, eval_rows, stops, run, cfg.steps, ctx)
         log(dict(step=cfg.steps, **final))
     except FloatingPointError as e:
@@ -354,10 +381,12 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        print(f"\ninterrupted at step {step}: {checkpoint.where(run, cfg.save_every)}",
+        print(f"\ninterrupted at step {done}: {checkpoint.where(run, cfg.save_every)}",
               file=sys.stderr)
         return 130
     finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
         if cfg.engine == "vllm":
             engine.close()              # vLLM keeps process-wide state: free it for the next engine
 

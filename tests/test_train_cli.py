@@ -87,9 +87,12 @@ def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path):
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130 and "Traceback" not in err, err
+    assert "Ctrl-C: stopping after this step" in err          # the step in flight finishes first
     last = err.strip().splitlines()[-1]
     assert last.startswith("interrupted at step") and f"python train.py --resume {out}" in last
     assert f"the last good checkpoint is {out / 'checkpoints'}" in last
+    done = int(last.split()[3].rstrip(":"))                 # it stopped at a step boundary: the
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{done:06d}"   # one just saved
 
 
 @pytest.fixture(scope="module")
