@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import lora  # noqa: E402
 import model as M  # noqa: E402
-import ops  # noqa: E402
+import sampler  # noqa: E402
 from kernels import triton  # noqa: E402
 
 if triton is not None:
@@ -92,7 +92,7 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
     from.
 
     Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one read
-    of B x V in chunks, ops.race_sample; the default on CUDA) and the inverse CDF (one uniform per
+    of B x V in chunks, sampler.race_sample; the default on CUDA) and the inverse CDF (one uniform per
     row and a cumsum over V: cheaper on a CPU, the default there). `race` picks one explicitly
     (the tests check both)."""
     if temperature <= 0:
@@ -114,12 +114,12 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
         z = z.scatter(-1, idx, sz.masked_fill(drop, float("-inf")))
 
     race = logits.is_cuda if race is None else race
-    if race:  # one read of z and the noise (ops.race_sample)
+    if race:  # one read of z and the noise (sampler.race_sample)
         if isinstance(gen, RowStreams):
             e = gen.draw(z.shape[1], True)                                      # (B, V) Exp(1)
         else:
             e = torch.empty_like(z).exponential_(generator=gen)                 # (B, V) Exp(1)
-        return ops.race_sample(z, e, t)
+        return sampler.race_sample(z, e, t)
 
     # inverse CDF: the first index whose cumulative probability reaches u * total
     logp = torch.log_softmax(z / t, -1)                                        # (B, V)

@@ -98,7 +98,7 @@ def main(argv=None):
                     help="which kernel benchmarks to run (comma list of gemm, dgrad, rmsnorm; also ablate: the GEMM "
                          "with one stage changed, splits: every split-K count at M = 1 / 16 / 64, ws: the "
                          "warp-specialized GEMM of kernels_ws against the Triton one, stamps: where its programs' "
-                         "time goes, sampler: ops.race_sample chunked vs one program a row, attn: decode attention vs "
+                         "time goes, sampler: race_sample chunked vs one program a row, attn: decode attention vs "
                          "SDPA; see bench/sweep.py)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")

@@ -348,16 +348,16 @@ def stamps(out: dict):
 
 
 def sampler(out: dict):
-    """python -m bench kernels --parts sampler: ops.race_sample over Qwen's 152064 logits at the rollout's batch
+    """python -m bench kernels --parts sampler: sampler.race_sample over Qwen's 152064 logits at the rollout's batch
     sizes, its default chunks of a row against one chunk a row (one program a row: the sampler before the chunks),
     in one run; logits and noise stay in L2 between calls, as the logits do after the lm_head that writes them."""
-    import ops
+    from sampler import race_sample
 
     rows = []
     for B in (1, 16, 64, 256):
         z = torch.randn(B, 152064, device="cuda")
         e = torch.empty_like(z).exponential_()
-        t = common.paired_us([lambda: ops.race_sample(z, e, 1.0)], [lambda: ops.race_sample(z, e, 1.0, chunks=1)])
+        t = common.paired_us([lambda: race_sample(z, e, 1.0)], [lambda: race_sample(z, e, 1.0, chunks=1)])
         rows.append(dict(batch=B, chunked_us=t[0], one_chunk_us=t[1]))
         print(f"sampler batch {B:3d}: chunked {t[0]:6.1f} us, one program a row {t[1]:6.1f} us ({t[1] / t[0]:.1f}x)")
     out["sampler"] = rows

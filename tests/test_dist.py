@@ -24,7 +24,8 @@ import rollout as R
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model", "tiny", "--prompts-per-step", "4", "--group-size", "4", "--eval-limit", "4", "--max-new-tokens", "8", "--steps", "2",
+TINY = ["--model", "tiny", "--prompts-per-step", "4", "--group-size", "4", "--eval-limit", "4",
+        "--max-new-tokens", "8", "--steps", "2",
         "--save-every", "1", "--base", "bf16", "--device", "cpu", "--max-sample-rounds", "2"]  # dapo, AQN at step 1
 TIMING = {"t_rollout", "t_reward", "t_train", "t_allreduce", "rollout_tok_s", "peak_mem_gb"}
 

@@ -9,6 +9,7 @@ import torch
 import kernels as K
 import quantize as Q
 import ops
+import sampler
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]  # CPU: the interpreter; a GPU machine runs the real kernels
@@ -615,7 +616,7 @@ def test_errors():
 @pytest.mark.parametrize("V,temperature,chunks",
                          [(5000, 0.7, None), (5000, 0.7, 1), (151936, 1.0, None), (7, 1.3, None)])
 def test_race_sample_matches_reference(device, V, temperature, chunks):
-    """ops.race_sample (race argmax + online logsumexp per chunk of a row, then a merge; default 3 and 38 chunks for
+    """sampler.race_sample (race argmax + online logsumexp per chunk of a row, then a merge; default 3 and 38 chunks for
     V = 5000 and 151936) against race_sample_ref on the same noise: the same tokens (the first index on a tie across
     chunks), log-probs within fp32 rounding of a V-long sum; masked (-inf) logits never win, even against tiny noise."""
     g = torch.Generator().manual_seed(V)
@@ -626,8 +627,8 @@ def test_race_sample_matches_reference(device, V, temperature, chunks):
     if V > 4200:                                             # a tie between chunks: the first index wins
         logits[2], e[2] = float("-inf"), 1.0
         logits[2, [10, V - 10]] = 1.0
-    tok, lp = ops.race_sample(logits, e, temperature, chunks)
-    tok_r, lp_r = ops.race_sample_ref(logits, e, temperature)
+    tok, lp = sampler.race_sample(logits, e, temperature, chunks)
+    tok_r, lp_r = sampler.race_sample_ref(logits, e, temperature)
     assert tok.dtype == torch.int64 and torch.equal(tok, tok_r)
     torch.testing.assert_close(lp, lp_r, rtol=1e-5, atol=1e-5)    # two summation orders of V fp32 terms
     assert tok[1] % 3 != 0 and (lp <= 0).all() and (V < 4200 or tok[2] == 10)

@@ -122,7 +122,9 @@ SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 100: 227 * 1024, 120: 99 *
 @pytest.mark.skipif(K.triton is None, reason="needs Triton")
 def test_kernels_compile_for_other_gpus():
     """The GEMMs and the dequant with the portable PTX (USE_ASM=2) compile for Ampere (sm_80, sm_86), Ada (sm_89)
-    and Blackwell (sm_100, sm_120), their largest configs within each GPU's shared memory (99 KB on the RTX cards); Hopper's PTX (USE_ASM=1, mul.rn.bf16x2) is refused for sm_80, which is why the portable one exists."""
+    and Blackwell (sm_100, sm_120), their largest configs within each GPU's shared memory (99 KB on the RTX
+    cards); Hopper's PTX (USE_ASM=1, mul.rn.bf16x2) is refused for sm_80, which is why the portable one
+    exists."""
     kernels = (("_nvfp4_mm_kernel", MM, 8, 4), ("_nvfp4_mm_ks_kernel", KS, 4, 4), ("_nvfp4_dequant_kernel", DQ, 4, 3))
     cases = [(name, cap, {**consts, "USE_ASM": 2}, warps, stages) for cap in (86, 120)
              for name, consts, warps, stages in kernels]
