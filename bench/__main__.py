@@ -10,7 +10,7 @@
     python -m bench profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
     python -m bench kernels --parts attn    # decode attention (attention.py) vs torch SDPA
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper GPUs take
-    python -m bench vllm [--shape small]    # the vLLM backend against the built-in engine (flags: vllm --help)
+    python -m bench vllm                    # rollout against vLLM: bf16, its own NVFP4 path, our GEMM (vllm --help)
     python -m bench dist [--smoke]          # weak / strong scaling of an RL step over 1, 2, 4 GPUs (torchrun)
 
 Run it from the repository root (python -m puts the root on sys.path, so the stage modules import). The entry point
@@ -67,8 +67,9 @@ def main(argv=None):
                     help="kernels: GEMM/dgrad/RMSNorm tables; model: memory and fwd+bwd; rollout: tokens/s; "
                          "train: one RL step; one: a single GEMM (for profilers); profile: CUDA time per kernel of a "
                          "decode step (--size, first of --batches) or of an RL step's train half (--train); "
-                         "vllm: the vLLM backend's tokens/s against the built-in engine (its own flags: "
-                         "python -m bench vllm --help); dist: scaling over GPUs (python -m bench dist --help)")
+                         "vllm: rollout tokens/s of vLLM (bf16, its NVFP4 path, our GEMM) and the built-in engine "
+                         "(its own flags: python -m bench vllm --help); "
+                         "dist: scaling over GPUs (python -m bench dist --help)")
     ap.add_argument("--size", default="7b", choices=sorted(QWEN),
                     help="model shape for model / rollout / train, and the linear shapes of `kernels --parts gemm`")
     ap.add_argument("--batches", default="1,16,64,256", help="with rollout: batch sizes (sequences)")

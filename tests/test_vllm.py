@@ -530,3 +530,23 @@ def test_eval_with_vllm_end_to_end(make_checkpoint, tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["prompts"] == 3 and s["samples_per_prompt"] == 2 and 0 <= s["pass@1"] <= 1 and "pass@2" in s
     assert not any(e.llm is not None for e in RV._LIVE)   # eval.py closed its engine
+
+
+def test_bench_vllm_smoke(tmp_path):
+    """`python -m bench vllm` end to end on the CPU: vLLM's own bf16 path (its engine core in a process of its own, as
+    on a GPU) and the built-in NVFP4 engine, with and without a LoRA adapter; every job finishes and the table gives
+    the built-in engine's ratio to vLLM at the same LoRA."""
+    import json
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    r = subprocess.run([sys.executable, "-m", "bench", "vllm", "--shapes", "small", "--engines",
+                        "vllm-bf16,built-in-nvfp4", "--batches", "1", "--prompt", "4", "--new-tokens", "2",
+                        "--lora-rank", "8", "--out", str(out), "--dir", str(tmp_path / "dir")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
+    done = {(x["engine"], x["lora_rank"]) for x in rows if x["kind"] == "done"}
+    assert done == {(e, k) for e in ("vllm-bf16", "built-in-nvfp4") for k in (0, 8)}, rows
+    assert all(x["tok_s"] > 0 for x in rows if x["kind"] == "time")
+    assert "| vllm-bf16 | 8 | " in r.stdout and "x) |" in r.stdout
