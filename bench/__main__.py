@@ -22,6 +22,7 @@ bench/common.py, never from here:
     model_speed.py   model, rollout, train
     profiling.py     profile, one
     vllm_speed.py    vllm (flags of its own)
+    peer_folders.py  the random checkpoints and LoRA adapter vllm gives every engine
     scaling.py       dist (flags of its own; each GPU count is a torchrun job running bench/scaling.py --worker)
 
 At M <= 64 the GEMM table also times cuBLAS bf16 on a weight of as many bytes as the NVFP4 one (9/32 of the rows:

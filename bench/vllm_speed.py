@@ -1,41 +1,50 @@
-"""bench/vllm_speed.py: `python -m bench vllm`: rollout tokens/s of the engines an RL user would pick, side by side on
-one random Qwen2.5-shaped checkpoint, without and with a LoRA adapter.
+"""bench/vllm_speed.py: `python -m bench vllm`: rollout tokens/s of the engines an RL user would
+pick, side by side on one random Qwen2.5-shaped checkpoint, without and with a LoRA adapter.
 
-    python -m bench vllm                      # every engine, 7B shape, batch 1 / 16 / 64 / 256, LoRA off and rank 32;
-                                              # then the 32B shape at batch 1 / 16 for vllm-nvfp4 and built-in-nvfp4
-    python -m bench vllm --engines vllm-ours,built-in-nvfp4 --shapes small --batches 1 --new-tokens 8   # a smoke run
+    python -m bench vllm          # every engine, 7B shape, batch 1 / 16 / 64 / 256, LoRA off and
+                                  # rank 32; then the 32B shape at batch 1 / 16 for vllm-nvfp4 and
+                                  # built-in-nvfp4
+    python -m bench vllm --engines vllm-ours,built-in-nvfp4 --shapes small --batches 1 \\
+        --new-tokens 8            # a smoke run, any machine
+    python -m bench vllm --report --out experiments/results/peers-h100x4   # a saved run's table
 
 The engines (--engines):
     vllm-bf16       vLLM on the bf16 folder (what TRL's GRPOTrainer and verl run by default)
-    vllm-nvfp4      vLLM on the NVFP4 folder through its own compressed-tensors path: weights-only NVFP4 is its
-                    W4A16 FP4 scheme on the Marlin FP4 kernel (no code of ours: QeRL's rollout)
+    vllm-nvfp4      vLLM on the NVFP4 folder through its own compressed-tensors path: weights-only
+                    NVFP4 is its W4A16 FP4 scheme on the Marlin FP4 kernel (no code of ours:
+                    QeRL's rollout)
     vllm-ours       vLLM with our GEMM and noisy norms (rollout_vllm.VLLMEngine), NVFP4 folder
     built-in-nvfp4  the built-in engine (rollout.Engine), NVFP4 folder
     built-in-bf16   the built-in engine, bf16 folder
 
-What is timed. Random weights, N(0, 0.02), written once under --dir as Hugging Face folders: the bf16 one, and its
-NVFP4 quantization by quantize.quantize_state_dict (quantize.py's math, its compressed-tensors config); the 32B shape
-gets the NVFP4 folder only (its bf16 weights, 65 GB, leave too little room for a KV cache on an 80 GB GPU). LoRA: one
-PEFT adapter folder per shape, rank --lora-rank on every decoder linear (q k v o gate up down), A and B drawn
-N(0, 0.01) so the product is nonzero, loaded by every engine from the same folder. Each engine generates exactly
---new-tokens tokens (EOS ignored) after --prompt random prompt tokens, temperature 1, and returns each sampled token's
-log-prob (an RL rollout needs it). At each batch a first call on other random prompts warms up (compiles, captures
-graphs; other prompts so that no prefix cache serves the timed call), the second is timed end to end, prefill
-included: tokens/s = batch x new tokens / seconds. Memory: device memory in use (NVML, the whole GPU, less its idle
-use before the engine started) after the batch-64 call, each engine sized for that batch: the built-in engine
-allocates a KV cache of batch x (prompt + new tokens); vLLM gets kv_cache_memory_bytes for the same tokens (plus one
-block a sequence) instead of a share of the GPU.
+What is timed. The folders and the adapter are bench/peer_folders.py's: random weights written
+once under --dir, the NVFP4 folder being the bf16 one quantized by quantize.py's math; the 32B
+shape gets the NVFP4 folder only (its bf16 weights, 65 GB, leave no room for a KV cache on an
+80 GB GPU). LoRA rows load one PEFT adapter, rank --lora-rank on every decoder linear with
+nonzero A and B, into every engine. Each engine generates exactly --new-tokens tokens (EOS
+ignored) after --prompt random prompt tokens, temperature 1, and returns each sampled token's
+log-prob (an RL rollout needs it). At each batch a first call on other random prompts warms up
+(compiles, captures graphs; other prompts, so that no prefix cache serves the timed call); the
+second is timed end to end, prefill included: tokens/s = batch x new tokens / seconds.
+Memory: device memory in use (NVML, the whole GPU, less its idle use) after the batch-64 call,
+each engine sized for that batch: the built-in engine allocates a KV cache of batch x (prompt +
+new tokens); vLLM gets kv_cache_memory_bytes for the same tokens (plus one block a sequence)
+instead of a share of the GPU.
 
-Each engine runs at its fastest documented settings: vLLM with its defaults (V1 engine, torch.compile, CUDA graphs
-captured at the timed batch sizes, its engine core in a separate process), except vllm-ours, which runs in this
-process (our kernels are registered here); the built-in engine with its CUDA graphs. Every (engine, shape, LoRA,
-batches) job is a process of its own, pinned to one GPU; with several GPUs the jobs run side by side, one a GPU.
-A job's rows are appended to --out/rows.jsonl as they come, and a rerun skips finished jobs (--fresh starts over).
-Measured on 4 H100 80GB HBM3 (vLLM 0.26.0, experiments/results/peers-h100x4/): with a rank-32 LoRA the built-in NVFP4
-engine made 274 / 3768 / 10233 / 17473 tokens/s at batch 1 / 16 / 64 / 256 at 7B, 1.48x / 1.36x / 1.51x / 1.83x vLLM's
-NVFP4 path and 2.15x / 1.90x / 1.58x / 1.35x vLLM bf16 (the README's "Against vLLM" has every row).
-Leaves out: per-request seeds in vLLM (they move its sampling to a slower per-request path; the built-in engine
-draws one stream a sample at no cost), n > 1 samples per prompt, tensor parallelism, FlashInfer (not installed).
+Settings: each engine's fastest documented ones. vLLM at its defaults (V1 engine, torch.compile,
+CUDA graphs captured at the timed batch sizes, its engine core in a process of its own), except
+vllm-ours, which runs in the job's process (our kernels are registered there); the built-in
+engine with its CUDA graphs. Every (engine, shape, LoRA, batches) job is a process of its own,
+pinned to one GPU; with several GPUs the jobs run side by side, one a GPU. A job's rows are
+appended to --out/rows.jsonl as they come; a rerun skips finished jobs (--fresh starts over).
+
+Measured on 4 H100 80GB HBM3 (vLLM 0.26.0, experiments/results/peers-h100x4/): with a rank-32
+LoRA the built-in NVFP4 engine made 274 / 3768 / 10233 / 17473 tokens/s at batch 1 / 16 / 64 /
+256 at 7B: 1.48x / 1.36x / 1.51x / 1.83x vLLM's NVFP4 path, 2.15x / 1.90x / 1.58x / 1.35x vLLM
+bf16 (the README's "Against vLLM" has every row).
+Leaves out: per-request seeds in vLLM (they move its sampling to a slower per-request path; the
+built-in engine draws one stream a sample at no cost), n > 1 samples per prompt, tensor
+parallelism, FlashInfer (not installed).
 """
 import argparse
 import gc
@@ -43,139 +52,42 @@ import json
 import os
 import queue
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 import fsutil
-from bench.common import QWEN
+from bench.peer_folders import SHAPES, folders, prepare, write_adapter, write_folder  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
-ENGINES = {"vllm-bf16": "bf16", "vllm-nvfp4": "nvfp4", "vllm-ours": "nvfp4",
-           "built-in-nvfp4": "nvfp4", "built-in-bf16": "bf16"}       # engine -> the folder it reads
-SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=152064, tie_word_embeddings=False)
-SHAPES = {**QWEN, "small": SMALL}
-BIG_ENGINES = ("vllm-nvfp4", "built-in-nvfp4")    # the 32B rows: NVFP4 only
+ENGINES = {"vllm-bf16": "bf16",               # engine -> the folder it reads
+           "vllm-nvfp4": "nvfp4",
+           "vllm-ours": "nvfp4",
+           "built-in-nvfp4": "nvfp4",
+           "built-in-bf16": "bf16"}
+BIG_ENGINES = ("vllm-nvfp4", "built-in-nvfp4")   # the 32B rows: NVFP4 only
 BIG_BATCHES = (1, 16)
 MEM_BATCH = 64                                   # memory is read after this batch
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+JOB_KEY = ("engine", "shape", "lora_rank", "batches")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The random checkpoint folders and the adapter
-
-def layer_rows(shape: dict) -> dict:
-    """Module name -> (out_features, in_features) of one decoder layer's linears."""
-    H, I = shape["hidden_size"], shape["intermediate_size"]
-    hd = H // shape["num_attention_heads"]
-    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
-    return {"self_attn.q_proj": (q, H), "self_attn.k_proj": (kv, H), "self_attn.v_proj": (kv, H),
-            "self_attn.o_proj": (H, q), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
-
-
-def random_layers(shape: dict, dev: str):
-    """Yield (layer index, {name: bf16 weight}) from a fixed seed: the same weights for the bf16 and NVFP4 folders."""
-    g = torch.Generator(device=dev).manual_seed(0)
-    for i in range(shape["num_hidden_layers"]):
-        yield i, {f"model.layers.{i}.{n}.weight": torch.randn(r, k, device=dev, generator=g).mul_(0.02)
-                  .to(torch.bfloat16) for n, (r, k) in layer_rows(shape).items()}
-
-
-def write_folder(path: Path, shape: dict, base: str, dev: str) -> Path:
-    """A random Qwen2 checkpoint at `shape`, bf16 or NVFP4 (quantize.quantize_state_dict), written atomically; an
-    existing folder with a config.json is kept."""
-    import quantize
-    import tiny
-    from safetensors.torch import save_file
-
-    if (path / "config.json").exists():
-        return path
-    H, V = shape["hidden_size"], shape["vocab_size"]
-    g = torch.Generator(device=dev).manual_seed(1)
-    ones = torch.ones(H, dtype=torch.bfloat16)
-    sd = {n: torch.randn(V, H, device=dev, generator=g).mul_(0.02).to(torch.bfloat16).cpu()
-          for n in ("model.embed_tokens.weight", "lm_head.weight")}
-    sd["model.norm.weight"] = ones
-    for i, w in random_layers(shape, dev):
-        if base == "nvfp4":
-            w, _ = quantize.quantize_state_dict(w, device=dev)        # q/k/v and gate/up share a global scale
-        sd.update({k: t.cpu() for k, t in w.items()})
-        p = f"model.layers.{i}."
-        for n, (r, _) in list(layer_rows(shape).items())[:3]:          # Qwen2's q/k/v biases
-            sd[p + n + ".bias"] = torch.zeros(r, dtype=torch.bfloat16)
-        sd.update({p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone()})
-    cfg = dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_act="silu", rms_norm_eps=1e-6,
-               rope_theta=1e6, max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151645,
-               torch_dtype="bfloat16", **shape)
-    if base == "nvfp4":
-        cfg["quantization_config"] = quantize.QUANTIZATION_CONFIG
-    with fsutil.atomic_dir(path) as tmp:  # an existing --dir without config.json is not ours: FileExistsError
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        for f in tiny.TOKENIZER_DIR.iterdir():
-            shutil.copy(f, tmp / f.name)
-    return path
-
-
-def write_adapter(path: Path, shape: dict, rank: int) -> Path:
-    """A PEFT LoRA folder: rank `rank`, alpha 2 * rank, every decoder linear, A and B ~ N(0, 0.01) in bf16."""
-    import lora
-    from safetensors.torch import save_file
-
-    if (path / "adapter_config.json").exists():
-        return path
-    g = torch.Generator().manual_seed(2)
-    sd = {}
-    for i in range(shape["num_hidden_layers"]):
-        for n, (r, k) in layer_rows(shape).items():
-            key = f"{lora.PREFIX}model.layers.{i}.{n}"
-            sd[key + ".lora_A.weight"] = torch.randn(rank, k, generator=g).mul_(0.01).to(torch.bfloat16)
-            sd[key + ".lora_B.weight"] = torch.randn(r, rank, generator=g).mul_(0.01).to(torch.bfloat16)
-    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "", "r": rank,
-           "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": list(TARGETS), "bias": "none"}
-    with fsutil.atomic_dir(path) as tmp:
-        save_file(sd, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
-    return path
-
-
-def folders(root: Path, shape_name: str) -> dict:
-    """Where the bf16 / NVFP4 folders and the adapter of a shape live under --dir."""
-    return {"bf16": root / f"{shape_name}-bf16", "nvfp4": root / f"{shape_name}-nvfp4",
-            "adapter": root / f"{shape_name}-lora"}
-
-
-def prepare(root: Path, shape_name: str, bases: set, rank: int):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    where = folders(root, shape_name)
-    for base in sorted(bases):
-        t0 = time.time()
-        write_folder(where[base], SHAPES[shape_name], base, dev)
-        print(f"{shape_name} {base}: {where[base]} ({time.time() - t0:.0f} s)", flush=True)
-    if rank:
-        write_adapter(where["adapter"], SHAPES[shape_name], rank)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One job: one engine, one shape, LoRA on or off, some batch sizes (runs in a process of its own)
+# ------------------------------------------------------------------------------------------------
+# One job: one engine, one shape, LoRA on or off, some batch sizes (a process of its own)
 
 def device_used_bytes() -> int | None:
-    """Memory in use on this job's GPU, the whole device (NVML), or None without one. The job's GPU is its
-    CUDA_VISIBLE_DEVICES index, in PCI bus order (which the orchestrator sets for CUDA too)."""
+    """Memory in use on the job's GPU, the whole device (NVML), or None without one. The GPU is
+    the job's CUDA_VISIBLE_DEVICES index, in PCI bus order (the orchestrator sets it for CUDA)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", "") in ("", "cpu"):
         return None
     import pynvml
 
     pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]))
-    return pynvml.nvmlDeviceGetMemoryInfo(h).used
+    index = int(os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0])
+    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used
 
 
 def kv_bytes(shape: dict, tokens: int) -> int:
@@ -185,24 +97,31 @@ def kv_bytes(shape: dict, tokens: int) -> int:
 
 
 def vllm_generate_fn(job: dict, folder: Path, adapter: Path | None, cuda: bool):
-    """Start the job's vLLM engine; return generate(prompts) -> token counts of each sample."""
+    """Start the job's vLLM engine; return generate(prompts) -> each sample's token count."""
     shape, B = SHAPES[job["shape"]], max(job["batches"])
     max_len = job["prompt"] + job["new_tokens"]
-    blocks = -(-max_len // 16) + 1                           # vLLM's 16-token blocks, one spare a sequence
-    kv = kv_bytes(shape, B * blocks * 16) + (32 << 20) if cuda else 256 << 20   # the CPU backend wants a floor
-    args = dict(max_model_len=max_len, max_num_seqs=B, seed=0, kv_cache_memory_bytes=kv, enforce_eager=not cuda)
+    blocks = -(-max_len // 16) + 1                 # vLLM's 16-token blocks, one spare a sequence
+    if cuda:
+        kv = kv_bytes(shape, B * blocks * 16) + (32 << 20)
+    else:
+        kv = 256 << 20                             # the CPU backend wants a floor
+    args = dict(max_model_len=max_len, max_num_seqs=B, seed=0, kv_cache_memory_bytes=kv,
+                enforce_eager=not cuda)
     if cuda:
         args["compilation_config"] = {"cudagraph_capture_sizes": sorted(job["batches"])}
+
     if job["engine"] == "vllm-ours":
         import rollout_vllm as RV
 
-        eng = RV.VLLMEngine(str(folder), enable_lora=bool(adapter), max_lora_rank=max(job["lora_rank"], 1),
-                            enable_sleep_mode=False, **args)
+        eng = RV.VLLMEngine(str(folder), enable_lora=bool(adapter),
+                            max_lora_rank=max(job["lora_rank"], 1), enable_sleep_mode=False,
+                            **args)
         if adapter:
             eng.load_adapter_dir(adapter)
 
         def generate(prompts):
-            outs = eng.generate(prompts, max_new_tokens=job["new_tokens"], stop_token_ids=[], seed=None)
+            outs = eng.generate(prompts, max_new_tokens=job["new_tokens"], stop_token_ids=[],
+                                seed=None)
             return [len(o.tokens) for o in outs]
         return generate
 
@@ -214,17 +133,18 @@ def vllm_generate_fn(job: dict, folder: Path, adapter: Path | None, cuda: bool):
         args.update(enable_lora=True, max_lora_rank=job["lora_rank"], max_loras=1)
     llm = LLM(model=str(folder), **args)
     req = LoRARequest("bench", 1, str(adapter)) if adapter else None
-    sp = SamplingParams(max_tokens=job["new_tokens"], temperature=1.0, ignore_eos=True, logprobs=0, detokenize=False)
+    sp = SamplingParams(max_tokens=job["new_tokens"], temperature=1.0, ignore_eos=True,
+                        logprobs=0, detokenize=False)
 
     def generate(prompts):
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, lora_request=req,
-                            use_tqdm=False)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        outs = llm.generate(inputs, sp, lora_request=req, use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
     return generate
 
 
 def builtin_generate_fns(job: dict, folder: Path, adapter: Path | None, cuda: bool):
-    """Load the model once; return make(B) -> generate(prompts), the engine sized for B sequences."""
+    """Load the model once; return make(B) -> generate(prompts), an engine sized for B."""
     import lora
     import model as M
     import rollout
@@ -236,90 +156,98 @@ def builtin_generate_fns(job: dict, folder: Path, adapter: Path | None, cuda: bo
 
     def make(B):
         if cuda:
-            torch.cuda.empty_cache()                  # the last batch's engine and graphs are gone before this one
-        eng = rollout.Engine(m, max_batch=B, max_len=job["prompt"] + job["new_tokens"], cuda_graphs=cuda)
+            torch.cuda.empty_cache()     # the last batch's engine and graphs are gone before this
+        eng = rollout.Engine(m, max_batch=B, max_len=job["prompt"] + job["new_tokens"],
+                             cuda_graphs=cuda)
 
         def generate(prompts):
-            outs = eng.generate(prompts, max_new_tokens=job["new_tokens"], stop_token_ids=[], seed=0)
+            outs = eng.generate(prompts, max_new_tokens=job["new_tokens"], stop_token_ids=[],
+                                seed=0)
             return [len(o.tokens) for o in outs]
         return generate
     return make
 
 
 def run_job(job: dict, rows_file: Path):
-    """Time one job; append one JSON row per batch (and a final `done` row, or an `error` row) to rows_file."""
-    cuda = os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "cpu") and torch.cuda.is_available()
+    """Time one job: append a `start` row, one `time` row per batch and a `done` row to
+    rows_file. A failure raises (the orchestrator reads its cause from the job's log)."""
+    cuda = (os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "cpu")
+            and torch.cuda.is_available())
     where = folders(Path(job["dir"]), job["shape"])
-    folder, adapter = where[ENGINES[job["engine"]]], where["adapter"] if job["lora_rank"] else None
-    key = {k: job[k] for k in ("engine", "shape", "lora_rank")}
+    folder = where[ENGINES[job["engine"]]]
+    adapter = where["adapter"] if job["lora_rank"] else None
 
     def emit(row):
-        with open(rows_file, "a") as f:                    # one line a write: rows of parallel jobs never interleave
-            f.write(json.dumps({**key, **row}) + "\n")
-        print(json.dumps({**key, **row}), flush=True)
+        line = json.dumps({**{k: job[k] for k in ("engine", "shape", "lora_rank")}, **row})
+        with open(rows_file, "a") as f:     # one line a write: parallel jobs' rows never interleave
+            f.write(line + "\n")
+        print(line, flush=True)
 
     idle = device_used_bytes()
     t0 = time.time()
-    try:
-        if job["engine"].startswith("vllm"):
-            gen = vllm_generate_fn(job, folder, adapter, cuda)
-            make = lambda B: gen                                     # noqa: E731 (one engine for every batch)
-        else:
-            make = builtin_generate_fns(job, folder, adapter, cuda)
-        emit(dict(kind="start", batches=job["batches"], load_s=round(time.time() - t0, 1)))
-        g = torch.Generator().manual_seed(0)
-        for B in job["batches"]:
-            warm, timed = (torch.randint(0, 150000, (B, job["prompt"]), generator=g).tolist() for _ in range(2))
-            generate = None                                          # the last batch's engine goes before this one
-            gc.collect()
-            generate = make(B)
-            generate(warm)                                           # compile, capture graphs, fill caches
-            if cuda:
-                torch.cuda.synchronize()
-            t1 = time.time()
-            counts = generate(timed)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.time() - t1
-            if sum(counts) != B * job["new_tokens"]:
-                raise RuntimeError(f"{sum(counts)} tokens generated, expected {B} x {job['new_tokens']}")
-            row = dict(kind="time", batch=B, tok_s=round(B * job["new_tokens"] / dt, 1), seconds=round(dt, 3))
-            used = device_used_bytes()
-            if B == job.get("mem_batch") and used is not None and idle is not None:
-                row["mem_GB"] = round((used - idle) / 1e9, 2)
-            emit(row)
-        emit(dict(kind="done", batches=job["batches"], total_s=round(time.time() - t0, 1)))
-    except Exception as e:  # the orchestrator goes on with the other jobs; the row says why this one stopped
-        traceback.print_exc()
-        emit(dict(kind="error", batches=job["batches"], error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                  if str(e) else type(e).__name__))
+    if job["engine"].startswith("vllm"):
+        gen = vllm_generate_fn(job, folder, adapter, cuda)
+        make = lambda B: gen                      # noqa: E731 (one vLLM engine for every batch)
+    else:
+        make = builtin_generate_fns(job, folder, adapter, cuda)
+    emit(dict(kind="start", batches=job["batches"], load_s=round(time.time() - t0, 1)))
+
+    g = torch.Generator().manual_seed(0)          # the same prompts for every engine
+    for B in job["batches"]:
+        warm = torch.randint(0, 150000, (B, job["prompt"]), generator=g).tolist()
+        timed = torch.randint(0, 150000, (B, job["prompt"]), generator=g).tolist()
+        generate = None                           # the last batch's engine goes before this one
+        gc.collect()
+        generate = make(B)
+        generate(warm)                            # compile, capture graphs, fill caches
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.time()
+        counts = generate(timed)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.time() - t1
+        if sum(counts) != B * job["new_tokens"]:
+            raise RuntimeError(f"{sum(counts)} tokens generated, expected {B} x "
+                               f"{job['new_tokens']}")
+        row = dict(kind="time", batch=B, tok_s=round(B * job["new_tokens"] / dt, 1),
+                   seconds=round(dt, 3))
+        used = device_used_bytes()
+        if B == job["mem_batch"] and used is not None and idle is not None:
+            row["mem_GB"] = round((used - idle) / 1e9, 2)
+        emit(row)
+    emit(dict(kind="done", batches=job["batches"], total_s=round(time.time() - t0, 1)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # The orchestrator: folders, jobs over GPUs, the table
 
 def make_jobs(args) -> list[dict]:
-    """Every (engine, shape, LoRA, batches) job. vLLM gets one engine sized for the batches up to MEM_BATCH and one
-    for the larger ones (its KV cache and graphs are sized at start); the built-in engine is sized per batch."""
+    """Every (engine, shape, LoRA, batches) job. vLLM sizes its KV cache and graphs at start, so
+    it gets one engine for the batches up to MEM_BATCH and one for the larger ones; the built-in
+    engine is sized per batch inside one job."""
     jobs = []
     for shape in args.shapes:
         big = shape == "32b"
         engines = [e for e in args.engines if e in BIG_ENGINES] if big else args.engines
         batches = [b for b in args.batches if b in BIG_BATCHES] if big else args.batches
+        small = [b for b in batches if b <= MEM_BATCH]
+        large = [b for b in batches if b > MEM_BATCH]
         for engine in engines:
+            parts = [small, large] if engine.startswith("vllm") else [batches]
             for rank in sorted({0, args.lora_rank}):
-                split = [[b for b in batches if b <= MEM_BATCH], [b for b in batches if b > MEM_BATCH]]
-                for part in (split if engine.startswith("vllm") else [batches]):
-                    if part:
-                        jobs.append(dict(engine=engine, shape=shape, lora_rank=rank, batches=part,
-                                         mem_batch=MEM_BATCH, prompt=args.prompt, new_tokens=args.new_tokens,
-                                         dir=str(args.dir)))
+                for part in parts:
+                    if not part:
+                        continue
+                    jobs.append(dict(engine=engine, shape=shape, lora_rank=rank, batches=part,
+                                     mem_batch=MEM_BATCH, prompt=args.prompt,
+                                     new_tokens=args.new_tokens, dir=str(args.dir)))
     return jobs
 
 
 def finished(rows: list[dict], job: dict) -> bool:
-    return any(r["kind"] == "done" and all(r[k] == job[k] for k in ("engine", "shape", "lora_rank", "batches"))
-               for r in rows)
+    """Has a `done` row of this job (or of the job an error row names)?"""
+    return any(r["kind"] == "done" and all(r[k] == job[k] for k in JOB_KEY) for r in rows)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -329,21 +257,26 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def run_subprocess(argv: list[str], gpu: str, log: Path, timeout: float) -> int:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "PYTHONUNBUFFERED": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)          # vLLM's default (vllm-ours sets its own)
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"            # the job has asked torch about CUDA: no fork after that
+    """`python -m bench vllm ARGV` on one GPU (or "cpu"), its output appended to log."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # vLLM's default (vllm-ours sets its own)
+    # the job has asked torch about CUDA, so vLLM must spawn its engine core, not fork it
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    cmd = [sys.executable, "-m", "bench", "vllm", *argv]
     with open(log, "a") as f:
         try:
-            return subprocess.run([sys.executable, "-m", "bench", "vllm", *argv], cwd=ROOT, env=env, stdout=f,
-                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+            return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             f.write(f"\ntimed out after {timeout:.0f} s\n")
             return 124
 
 
 def root_cause(log: Path, start: int, rc: int) -> str:
-    """The first `SomethingError: ...` line that a failed job wrote to its log after byte `start` (vLLM's engine
-    core reports its own failure before the one the caller sees), or the exit code."""
+    """The first `SomethingError: ...` line a failed job wrote to its log after byte `start`
+    (vLLM's engine core reports its own failure before the one its caller raises), or the exit
+    code."""
     text = log.read_bytes()[start:].decode(errors="replace") if log.exists() else ""
     for line in text.splitlines():
         m = re.search(r"\b(\w+(?:Error|Exception)): (.+)$", line)
@@ -352,8 +285,9 @@ def root_cause(log: Path, start: int, rc: int) -> str:
     return f"exit code {rc} ({log.name})"
 
 
-def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float):
-    """Each GPU takes the next job when its last one ends. Returns the rows file's rows."""
+def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float) -> list[dict]:
+    """Each GPU takes the next job when its last one ends; a job that did not finish gets an
+    `error` row. Returns every row of out/rows.jsonl."""
     rows_file = out / "rows.jsonl"
     todo = queue.Queue()
     for j in jobs:
@@ -365,15 +299,18 @@ def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float):
                 job = todo.get_nowait()
             except queue.Empty:
                 return
-            name = f"{job['engine']}-{job['shape']}-r{job['lora_rank']}-b{'_'.join(map(str, job['batches']))}"
+            batches = "_".join(map(str, job["batches"]))
+            name = f"{job['engine']}-{job['shape']}-r{job['lora_rank']}-b{batches}"
             print(f"[gpu {gpu}] {name}", flush=True)
             log = out / f"{name}.log"
-            start = log.stat().st_size if log.exists() else 0           # a rerun appends to the log
-            rc = run_subprocess(["--worker", json.dumps(job), "--out", str(out)], gpu, log, timeout)
-            if not finished(read_rows(rows_file), job):       # the first error line in its log says why
+            start = log.stat().st_size if log.exists() else 0     # a rerun appends to the log
+            argv = ["--worker", json.dumps(job), "--out", str(out)]
+            rc = run_subprocess(argv, gpu, log, timeout)
+            if not finished(read_rows(rows_file), job):
+                error = {**{k: job[k] for k in JOB_KEY}, "kind": "error",
+                         "error": root_cause(log, start, rc)}
                 with open(rows_file, "a") as f:
-                    f.write(json.dumps({**{k: job[k] for k in ("engine", "shape", "lora_rank", "batches")},
-                                        "kind": "error", "error": root_cause(log, start, rc)}) + "\n")
+                    f.write(json.dumps(error) + "\n")
             print(f"[gpu {gpu}] {name}: exit {rc}", flush=True)
 
     threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
@@ -385,116 +322,152 @@ def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float):
 
 
 def table(rows: list[dict], args) -> str:
-    """Markdown: tokens/s per engine and batch, built-in NVFP4 / engine at each batch, memory at MEM_BATCH."""
+    """Markdown: tokens/s per engine and batch with, in brackets, the built-in NVFP4 engine's
+    tokens/s over it at the same LoRA; memory at MEM_BATCH; the jobs that failed."""
     best = {}
     for r in rows:
         if r["kind"] == "time":
             best[(r["engine"], r["shape"], r["lora_rank"], r["batch"])] = r
-    errors = {(r["engine"], r["shape"], r["lora_rank"]): r["error"] for r in rows if r["kind"] == "error"
-              and not finished(rows, r)}                        # a later rerun of the job may have finished it
+    errors = {}
+    for r in rows:
+        if r["kind"] == "error" and not finished(rows, r):   # a rerun may have finished it
+            errors[(r["engine"], r["shape"], r["lora_rank"])] = r["error"]
     lines = []
     for shape in args.shapes:
         batches = [b for b in args.batches if shape != "32b" or b in BIG_BATCHES]
+        heads = " | ".join(f"batch {b}" for b in batches)
         lines += [f"\n{shape}: tokens/s (built-in NVFP4 / engine at the same LoRA)", "",
-                  "| engine | LoRA | " + " | ".join(f"batch {b}" for b in batches) + f" | GB at {MEM_BATCH} |",
+                  f"| engine | LoRA | {heads} | GB at {MEM_BATCH} |",
                   "|---|---|" + "---|" * (len(batches) + 1)]
         for e in args.engines:
             for rank in sorted({0, args.lora_rank}):
                 cells = []
                 for b in batches:
-                    r, ours = best.get((e, shape, rank, b)), best.get(("built-in-nvfp4", shape, rank, b))
+                    r = best.get((e, shape, rank, b))
+                    ours = best.get(("built-in-nvfp4", shape, rank, b))
                     if r is None:
                         cells.append("-")
-                        continue
-                    ratio = f" ({ours['tok_s'] / r['tok_s']:.2f}x)" if ours and e != "built-in-nvfp4" else ""
-                    cells.append(f"{r['tok_s']:.0f}{ratio}")
+                    elif ours and e != "built-in-nvfp4":
+                        cells.append(f"{r['tok_s']:.0f} ({ours['tok_s'] / r['tok_s']:.2f}x)")
+                    else:
+                        cells.append(f"{r['tok_s']:.0f}")
                 if all(c == "-" for c in cells) and (e, shape, rank) not in errors:
-                    continue
-                mem = best.get((e, shape, rank, MEM_BATCH), {}).get("mem_GB")
-                lines.append(f"| {e} | {rank or 'off'} | " + " | ".join(cells) + f" | {mem if mem else '-'} |")
+                    continue                                  # not run
+                mem = best.get((e, shape, rank, MEM_BATCH), {}).get("mem_GB") or "-"
+                lines.append(f"| {e} | {rank or 'off'} | " + " | ".join(cells) + f" | {mem} |")
         for (e, s, rank), err in sorted(errors.items()):
             if s == shape:
                 lines.append(f"\n{e} {shape} LoRA {rank or 'off'} failed: {err}")
     return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, from: " + ", ".join(ENGINES))
-    ap.add_argument("--shapes", default="7b,32b", help="comma-separated Qwen2.5 shapes: 7b, 32b, small (32b times "
-                                                       f"{', '.join(BIG_ENGINES)} at batch {BIG_BATCHES} only)")
-    ap.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes (sequences)")
-    ap.add_argument("--lora-rank", type=int, default=32, help="rank of the adapter for the LoRA rows (0: no LoRA rows)")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="comma-separated, from: " + ", ".join(ENGINES))
+    ap.add_argument("--shapes", default="7b,32b",
+                    help="comma-separated Qwen2.5 shapes: 7b, 32b, small (32b times "
+                         f"{', '.join(BIG_ENGINES)} at batch {BIG_BATCHES} only)")
+    ap.add_argument("--batches", default="1,16,64,256",
+                    help="comma-separated batch sizes (sequences)")
+    ap.add_argument("--lora-rank", type=int, default=32,
+                    help="rank of the adapter for the LoRA rows (0: no LoRA rows)")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
-    ap.add_argument("--new-tokens", type=int, default=512, help="generated tokens per sequence (EOS ignored)")
+    ap.add_argument("--new-tokens", type=int, default=512,
+                    help="generated tokens per sequence (EOS ignored)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/nanoqerl-peers"),
                     help="where the random folders and adapters are written once and reused")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-vllm"),
-                    help="rows.jsonl (every measured row), one log per job, table.md and results.json")
-    ap.add_argument("--gpus", default=None, help="comma-separated GPU indices to spread the jobs over "
-                                                 "(default: every visible GPU; cpu when there is none)")
-    ap.add_argument("--timeout", type=float, default=1200, help="seconds before a job is stopped")
-    ap.add_argument("--fresh", action="store_true", help="forget the rows of an earlier run in --out")
-    ap.add_argument("--prepare-only", action="store_true", help="write the folders and adapters, time nothing")
-    ap.add_argument("--report", action="store_true", help="print the table of the rows already in --out, run nothing")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)         # one job, as JSON (internal)
-    ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)        # shape:bases (internal)
+                    help="rows.jsonl (every measured row), one log per job, table.md and "
+                         "results.json")
+    ap.add_argument("--gpus", default=None,
+                    help="comma-separated GPU indices to spread the jobs over (default: every "
+                         "visible GPU; cpu when there is none)")
+    ap.add_argument("--timeout", type=float, default=1200,
+                    help="seconds before a job is stopped")
+    ap.add_argument("--fresh", action="store_true",
+                    help="forget the rows of an earlier run in --out")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the folders and adapters, time nothing")
+    ap.add_argument("--report", action="store_true",
+                    help="print the table of the rows already in --out, run nothing")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)    # one job as JSON
+    ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)   # "shape:base+base"
     args = ap.parse_args(argv)
-    if args.worker:
-        return run_job(json.loads(args.worker), args.out / "rows.jsonl")
-    if args.prepare:
-        shape, bases = args.prepare.split(":")
-        return prepare(args.dir, shape, set(bases.split("+")), args.lora_rank)
-
+    if args.worker or args.prepare:
+        return args
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [e for e in args.engines if e not in ENGINES] + [s for s in args.shapes if s not in SHAPES]
+    bad = [e for e in args.engines if e not in ENGINES]
+    bad += [s for s in args.shapes if s not in SHAPES]
     if bad:
-        ap.error(f"unknown engine or shape {bad[0]!r}: engines are {', '.join(ENGINES)}; shapes {', '.join(SHAPES)}")
+        ap.error(f"unknown engine or shape {bad[0]!r}: engines are {', '.join(ENGINES)}; "
+                 f"shapes {', '.join(SHAPES)}")
     try:
         args.batches = sorted({int(b) for b in args.batches.split(",")})
     except ValueError:
         ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
     if min(args.batches) < 1 or args.lora_rank < 0 or args.prompt < 1 or args.new_tokens < 1:
         ap.error("batches, --prompt and --new-tokens must be >= 1, --lora-rank >= 0")
+    return args
+
+
+def settings(args) -> dict:
+    """The flags as plain JSON values."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return run_job(json.loads(args.worker), args.out / "rows.jsonl")
+    if args.prepare:
+        shape, bases = args.prepare.split(":")
+        return prepare(args.dir, shape, set(bases.split("+")), args.lora_rank)
     if args.report:
         print(table(read_rows(args.out / "rows.jsonl"), args))
         return 0
-    gpus = (args.gpus.split(",") if args.gpus else
-            [str(i) for i in range(torch.cuda.device_count())] or ["cpu"])
-    print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}), flush=True)
+    gpus = args.gpus.split(",") if args.gpus else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = gpus or ["cpu"]
+    print(json.dumps(settings(args)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.fresh:
         (args.out / "rows.jsonl").unlink(missing_ok=True)
+    done = read_rows(args.out / "rows.jsonl")
+    jobs = [j for j in make_jobs(args) if not finished(done, j)]
 
-    jobs = [j for j in make_jobs(args) if not finished(read_rows(args.out / "rows.jsonl"), j)]
-    # the folders first, one process a shape (each on a GPU of its own when there are enough)
-    preps = {}
+    # the folders first: one process a shape, side by side on the GPUs
+    bases = {}
     for j in jobs:
-        preps.setdefault(j["shape"], set()).add(ENGINES[j["engine"]])
-    procs = [(s, threading.Thread(target=run_subprocess, args=(
-        ["--prepare", f"{s}:{'+'.join(sorted(b))}", "--dir", str(args.dir), "--lora-rank", str(args.lora_rank)],
-        gpus[i % len(gpus)], args.out / f"prepare-{s}.log", args.timeout))) for i, (s, b) in enumerate(preps.items())]
-    for _, t in procs:
+        bases.setdefault(j["shape"], set()).add(ENGINES[j["engine"]])
+    threads = []
+    for i, (shape, b) in enumerate(bases.items()):
+        argv = ["--prepare", f"{shape}:{'+'.join(sorted(b))}", "--dir", str(args.dir),
+                "--lora-rank", str(args.lora_rank)]
+        log = args.out / f"prepare-{shape}.log"
+        threads.append(threading.Thread(target=run_subprocess,
+                                        args=(argv, gpus[i % len(gpus)], log, args.timeout)))
+    for t in threads:
         t.start()
-    for _, t in procs:
+    for t in threads:
         t.join()
-    missing = [s for s, b in preps.items() for base in b if not (folders(args.dir, s)[base] / "config.json").exists()]
-    if missing:
-        sys.exit(f"could not write the {missing[0]} folders under {args.dir}: see {args.out}/prepare-{missing[0]}.log")
+    for shape, b in bases.items():
+        if not all((folders(args.dir, shape)[base] / "config.json").exists() for base in b):
+            sys.exit(f"could not write the {shape} folders under {args.dir}: see "
+                     f"{args.out}/prepare-{shape}.log")
     if args.prepare_only:
         return 0
 
     print(f"{len(jobs)} jobs on {len(gpus)} device(s): {', '.join(gpus)}", flush=True)
-    rows = run_all(sorted(jobs, key=lambda j: (j["shape"] != "32b", -max(j["batches"]))), gpus, args.out,
-                   args.timeout)
+    jobs.sort(key=lambda j: (j["shape"] != "32b", -max(j["batches"])))   # the longest first
+    rows = run_all(jobs, gpus, args.out, args.timeout)
     text = table(rows, args)
     print(text)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     fsutil.atomic_write_text(args.out / "table.md", f"{name}\n{text}\n")
-    fsutil.atomic_write_text(args.out / "results.json", json.dumps(dict(device=name, settings={
-        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, rows=rows), indent=1))
+    results = dict(device=name, settings=settings(args), rows=rows)
+    fsutil.atomic_write_text(args.out / "results.json", json.dumps(results, indent=1))
     return 0
 
 

@@ -533,17 +533,19 @@ def test_eval_with_vllm_end_to_end(make_checkpoint, tmp_path):
 
 
 def test_bench_vllm_smoke(tmp_path):
-    """`python -m bench vllm` end to end on the CPU: vLLM's own bf16 path (its engine core in a process of its own, as
-    on a GPU) and the built-in NVFP4 engine, with and without a LoRA adapter; every job finishes and the table gives
-    the built-in engine's ratio to vLLM at the same LoRA."""
+    """`python -m bench vllm` end to end on the CPU: vLLM's own bf16 path (its engine core in a
+    process of its own, as on a GPU) and the built-in NVFP4 engine, with and without a LoRA
+    adapter; every job finishes and the table gives the built-in engine's ratio to vLLM at the
+    same LoRA."""
     import json
 
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    r = subprocess.run([sys.executable, "-m", "bench", "vllm", "--shapes", "small", "--engines",
-                        "vllm-bf16,built-in-nvfp4", "--batches", "1", "--prompt", "4", "--new-tokens", "2",
-                        "--lora-rank", "8", "--out", str(out), "--dir", str(tmp_path / "dir")],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    cmd = [sys.executable, "-m", "bench", "vllm", "--shapes", "small",
+           "--engines", "vllm-bf16,built-in-nvfp4", "--batches", "1", "--prompt", "4",
+           "--new-tokens", "2", "--lora-rank", "8", "--out", str(out),
+           "--dir", str(tmp_path / "dir")]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
     done = {(x["engine"], x["lora_rank"]) for x in rows if x["kind"] == "done"}
