@@ -12,14 +12,18 @@ Reports pass@1 (the mean over n samples per prompt) with a 95% interval over pro
 k = 1, 2, 4, ... <= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and
 the mean response length. Writes `samples.jsonl` (every prompt, response, extracted answer and
 score) and `summary.json` to --out. Uses the same prompts, answer extraction and fail-closed
-scoring as training (data.py). Sample k of row j is drawn with seed --seed + j * n + k (the
+scoring as training (tasks/data.py, tasks/rewards.py). Sample k of row j is drawn with seed --seed + j * n + k (the
 engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
-processes share the rows: under torchrun (dist.py) each rank evaluates a contiguous share of the
+processes share the rows: under torchrun (util/dist.py) each rank evaluates a contiguous share of the
 rows with the built-in engine on its GPU, and rank 0 merges them into the same files and numbers
 one process writes.
 
 Leaves out: majority voting, LLM judges, multiple-choice letter matching, code tasks.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import contextlib
 import json
@@ -29,32 +33,25 @@ import sys
 import time
 from pathlib import Path
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-import data  # noqa: E402
-import dist  # noqa: E402
-import fsutil  # noqa: E402
-import rollout  # noqa: E402
-
-VLLM_MISSING = ("--engine vllm needs vLLM in its own environment: ./setup.sh --vllm (the pinned "
-                "vllm on a GPU machine, its CPU build otherwise), then .venv-vllm/bin/python; "
-                "or use the default --engine builtin")
+import rollout
+import vllm_backend
+from tasks import data, rewards
+from util import dist, fsutil
 
 
 def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
     """The engine a caller chose: 'builtin' (rollout.Engine over a loaded Model) or 'vllm'
-    (rollout_vllm.VLLMEngine over a checkpoint folder). The choice lives here, above both engines,
+    (vllm_backend/engine.VLLMEngine over a checkpoint folder). The choice lives here, above both engines,
     so neither engine module imports the other."""
     if kind == "builtin":
         return rollout.Engine(model, **kw)
     if kind == "vllm":
         try:
-            from rollout_vllm import VLLMEngine
+            from vllm_backend.engine import VLLMEngine
         except ImportError as e:                       # vLLM lives in .venv-vllm only
-            raise RuntimeError(f"{VLLM_MISSING} ({e})") from e
+            raise RuntimeError(f"{vllm_backend.MISSING} ({e})") from e
         return VLLMEngine(model_dir, **kw)
     raise ValueError(f"unknown engine {kind!r}; choose builtin or vllm")
 
@@ -74,7 +71,7 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
 
     stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the
     tokenizer was read from.
-    ctx (dist.py): this rank evaluates its share of the rows; every rank returns the summary of all
+    ctx (util/dist.py): this rank evaluates its share of the rows; every rank returns the summary of all
     rows; rank 0 writes the files."""
     from tqdm import tqdm
 
@@ -102,7 +99,7 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
                 correct = 0
                 for o in mine:
                     text = tokenizer.decode(o.tokens, skip_special_tokens=True)
-                    sc = data.score(text, row["gold"], row["kind"], fmt)
+                    sc = rewards.score(text, row["gold"], row["kind"], fmt)
                     correct += sc["correct"]
                     records.append(dict(index=row.get("index", s + i),
                                         question=row["question"],
@@ -168,7 +165,7 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per response")
     ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
-    ap.add_argument("--fmt", default="boxed", choices=data.FORMATS, help="prompt / answer format")
+    ap.add_argument("--fmt", default="boxed", choices=rewards.FORMATS, help="prompt / answer format")
     ap.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                     help="rollout backend")
     ap.add_argument("--batch-prompts", type=int, default=32, help="prompts per generate call")

@@ -1,11 +1,11 @@
 """kernels.py: Triton kernels for NVFP4 weights (W4A16), tuned on Hopper, each beside its reference. (The noisy RMSNorm
-and the other decoder ops live in ops.py.)
+and the other decoder ops live in layers/ops.py.)
 
     python -m bench kernels            # speed against torch bf16 on a GPU
     pytest tests/test_kernels.py       # numerics (CPU: TRITON_INTERPRET=1 on small shapes)
 
 What is here
-  pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   the kernel layout (layout.py)
+  pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   the kernel layout (gemm/layout.py)
   nvfp4_linear(x, w, bias=None)    y = x @ W_hat^T for any number of tokens; autograd gives dX (no dW: frozen)
   dequantize(w)                    W_hat (N, K) in bf16 (the large-M and backward paths use it with torch.matmul)
   *_ref                            plain PyTorch references (used on CPU and by the tests)
@@ -25,24 +25,25 @@ call is one launch; the epilogue can add a LoRA term xa @ B^T (the rollout's ada
 1-8 tokens run the K-sliced kernel instead (16-32 weight rows over all of K, 4 warps each taking every 4th K tile as
 the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no fixup; see mm_config).
 Large M (>= LARGE_M tokens) dequantizes once and calls torch.matmul: cuBLAS wins there. On Hopper, 33..1023 tokens
-(WS_MIN_M..LARGE_M) run kernels_ws's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
+(WS_MIN_M..LARGE_M) run gemm/warp_specialized.py's warp-specialized GEMM where its ws_config says it wins; else the kernel below.
 
 Other GPUs (Ampere, Ada, Blackwell) run the same Triton kernels on the portable path (see hopper); Hopper alone
-runs kernels_ws and the PTX with sm_90's bf16x2 multiply.
+runs gemm/warp_specialized.py and the PTX with sm_90's bf16x2 multiply.
 Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning, and the
 designs measured and dropped in docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import functools
 import os
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-# kernels.pack_nvfp4, kernels.NVFP4Weight, ... are layout.py's (the other stages import them from here)
-from layout import (E2M1, INTERPRET, NVFP4Weight, code_ptx, lora_args, pack_nvfp4,  # noqa: E402, F401
-                    scale_ptx, unpack_codes, workspace)
+from gemm.layout import (E2M1, INTERPRET, NVFP4Weight, code_ptx, lora_args, scale_ptx,
+                         unpack_codes, workspace)
+from util import versions
 
 try:
     import triton
@@ -56,8 +57,8 @@ except ImportError as e:  # CPU-only installs can still use the references; a wr
 PORTABLE = os.environ.get("NANOQERL_PORTABLE") == "1"  # any GPU takes the path a non-Hopper GPU takes (see hopper)
 CPU_TRITON = False      # with TRITON_INTERPRET=1, also run the Triton kernels on CPU tensors (the tests do)
 LARGE_M = 1024          # from this many tokens on, dequantize + cuBLAS is faster (python -m bench kernels)
-WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run kernels_ws's warp-specialized GEMM
-GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, kernels_ws): nvfp4_mm(gated=) pays
+WS_MIN_M = 32           # above this many tokens (and below LARGE_M) Hopper may run gemm/warp_specialized.py's warp-specialized GEMM
+GATED_MAX_M = 63        # up to here the Triton GEMMs run gate_up (above, gemm/warp_specialized.py): nvfp4_mm(gated=) pays
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -73,7 +74,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def hopper(device: torch.device) -> bool:
-    """Whether `device` takes the Hopper-only paths: kernels_ws's warp-specialized Gluon GEMM (33..1023 tokens)
+    """Whether `device` takes the Hopper-only paths: gemm/warp_specialized.py's warp-specialized Gluon GEMM (33..1023 tokens)
     and the dequantization PTX with sm_90's bf16x2 multiply. Every other GPU (Ampere, Ada, Blackwell) takes the
     portable path: the Triton kernels alone, their PTX with an fma in place of that multiply (the same bits; the
     H100's tile configs fit each of these GPUs' shared memory, 99 KB on the RTX cards, as tests/test_portable.py
@@ -91,7 +92,7 @@ def asm_mode(device: torch.device) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The references (PyTorch, from the kernel layout of layout.py)
+# The references (PyTorch, from the kernel layout of gemm/layout.py)
 
 @functools.cache
 def _e2m1_lut(device) -> torch.Tensor:
@@ -118,7 +119,7 @@ def nvfp4_linear_ref(x: torch.Tensor, w: NVFP4Weight, bias: torch.Tensor | None 
 # The GEMM kernel
 
 if triton is not None:
-    # the dequantization PTX (layout.py): Hopper's, with sm_90's bf16x2 multiply, and the portable one (sm_80 on)
+    # the dequantization PTX (gemm/layout.py): Hopper's, with sm_90's bf16x2 multiply, and the portable one (sm_80 on)
     _SCALE_ASM, _CODE_ASM = tl.constexpr(scale_ptx(False)), tl.constexpr(code_ptx(False))
     _SCALE_FMA, _CODE_FMA = tl.constexpr(scale_ptx(True)), tl.constexpr(code_ptx(True))
 
@@ -372,7 +373,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
 
 
 def ws_choice(x2: torch.Tensor, w: NVFP4Weight, config=None, use_asm=None, gated: int = 0) -> dict | None:
-    """kernels_ws's config where nvfp4_mm runs x2 (M, K) through the warp-specialized GEMM (Hopper, 33..1023 tokens,
+    """gemm/warp_specialized.py's config where nvfp4_mm runs x2 (M, K) through the warp-specialized GEMM (Hopper, 33..1023 tokens,
     enough tiles, no config or dequant forced, no gated epilogue); None where it runs this file's kernels."""
     M = x2.shape[0]
     if config is not None or M <= WS_MIN_M or use_asm is not None or gated or not hopper(x2.device):
@@ -389,7 +390,7 @@ def gemm_path(x2: torch.Tensor, w: NVFP4Weight, **kw) -> str:
 @functools.cache
 def _ws():
     try:
-        import kernels_ws
+        from gemm import warp_specialized as kernels_ws
     except ImportError:
         return None
     return kernels_ws
@@ -409,7 +410,7 @@ def dequantize(w: NVFP4Weight, dtype=torch.bfloat16) -> torch.Tensor:
 
 def _check_linear(x: torch.Tensor, w: NVFP4Weight, bias):
     if not isinstance(w, NVFP4Weight):
-        raise TypeError(f"w must be an NVFP4Weight (use kernels.pack_nvfp4), got {type(w).__name__}")
+        raise TypeError(f"w must be an NVFP4Weight (use gemm/layout.pack_nvfp4), got {type(w).__name__}")
     if x.shape[-1] != w.k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K = {w.k}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -417,7 +418,7 @@ def _check_linear(x: torch.Tensor, w: NVFP4Weight, bias):
     if x.device != w.words.device:
         raise ValueError(f"x is on {x.device} but the weight is on {w.words.device}")
     if w.words.dtype != torch.int32 or not (w.words.is_contiguous() and w.scales.is_contiguous()):
-        raise ValueError("the NVFP4Weight tensors must be contiguous int32 (build it with kernels.pack_nvfp4)")
+        raise ValueError("the NVFP4Weight tensors must be contiguous int32 (build it with gemm/layout.pack_nvfp4)")
     if bias is not None and tuple(bias.shape) != (w.n,):
         raise ValueError(f"bias must have shape ({w.n},), got {tuple(bias.shape)}")
 

@@ -1,12 +1,12 @@
 """lora.py: LoRA adapters on the frozen base model (bf16 or NVFP4 linears), saved and loaded in the
 PEFT format.
 
-    python model.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT]   # check one; export merged
+    python lora.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT]   # check one; export merged
 
-y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (linear.Linear holds A
-(r, in) and B (out, r) as fp32 parameters; linear.py has the product, run in the activations'
-dtype). This file works on any model whose linears() lists them, so it never imports model.py. B
-starts at zero, A like PEFT (Kaiming uniform), so a fresh adapter changes nothing. Disabling the
+y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (layers/linear.Linear
+holds A (r, in) and B (out, r) as fp32 parameters; layers/linear.py has the product, run in the
+activations' dtype). The functions work on any model whose linears() lists them; only the command
+line loads a model.py Model. B starts at zero, A like PEFT (Kaiming uniform), so a fresh adapter changes nothing. Disabling the
 adapters gives the reference policy for the KL term at no memory cost. Files: adapter_config.json +
 adapter_model.safetensors with PEFT's tensor names (base_model.model.<module>.lora_A.weight), so
 peft.PeftModel and vLLM's LoRA loader read ours and we read theirs.
@@ -16,23 +16,26 @@ layers only, bias training, modules_to_save, PiSSA-style inits that edit the bas
 load_adapter refuses such adapters by name rather than load them with another meaning (see
 PLAIN_FIELDS).
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
+import argparse
 import contextlib
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
-import fsutil
-import versions
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
 
-versions.check()
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from torch import nn  # noqa: E402
-
-import kernels  # noqa: E402
-import quantize  # noqa: E402
-from linear import group_ab  # noqa: E402
+import kernels
+import quantize
+from layers.linear import group_ab
+from util import fsutil
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PREFIX = "base_model.model."
@@ -288,3 +291,42 @@ def snapshot(model, old: dict | None = None) -> dict:
                 A, B = prev
             snap[mod] = (A, B)
     return snap
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Check a LoRA adapter on its base: load it (refused by name if it uses a PEFT "
+                    "option this file does not implement), print the greedy reply to one prompt, "
+                    "and optionally write the merged bf16 model.")
+    ap.add_argument("--model", required=True, help="the base: HF folder or hub id (bf16 or NVFP4)")
+    ap.add_argument("--adapter", required=True,
+                    help="adapter folder (adapter_config.json + adapter_model.safetensors)")
+    ap.add_argument("--merge-to", default=None,
+                    help="write the base with the adapter merged in here, as a bf16 HF folder "
+                         "(and load it back)")
+    ap.add_argument("--prompt", default="What is 2+3?",
+                    help="user message, formatted with the chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
+    args = ap.parse_args(argv)
+    print("config:", json.dumps(vars(args)))
+    import model as M
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        model = M.Model.from_pretrained(args.model, device=dev)
+        cfg = load_adapter(model, args.adapter)
+        n = len(lora_parameters(model)) // 2
+        print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {n} linears")
+        if args.merge_to:
+            out = export_merged(model, args.model, args.merge_to)
+            M.Model.from_pretrained(out)                        # the export must load back
+            print(f"wrote {out}")
+    except (ValueError, FileNotFoundError, FileExistsError, quantize.QuantizeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(M.continue_chat(model, args.model, args.prompt, args.max_new_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,39 +1,38 @@
 """model.py: the policy decoder (Qwen2 / Qwen2.5 / Qwen3 / Llama) over our kernels.
 
     python model.py --model runs/tiny-qwen2 --prompt "What is 2+3?"   # greedy continuation
-    python model.py --model DIR --adapter ADAPTER_DIR [--merge-to OUT]  # with a LoRA adapter
 
 One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4
 checkpoint (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at
-load time; `forward` runs full sequences (training, scoring; optional per-layer gradient
+load time with quantize.py's own math; `forward` runs full sequences (training, scoring; optional per-layer gradient
 checkpointing) or writes/reads a KV cache (the rollout engine) through the same layer code. Norms
-run through ops.rms_norm with the AQN noise of `model.noise` ((layers, 2, hidden) or None: index 0
-feeds q/k/v, 1 feeds gate/up); a decode step (one new token a row) runs attention.decode_attention,
-everything else torch SDPA. `token_logprobs` scores given tokens chunk by chunk, so the (tokens,
+run through layers/ops.rms_norm with the AQN noise passed to `forward` ((layers, 2, hidden) or None:
+index 0 feeds q/k/v, 1 feeds gate/up); a decode step (one new token a row) runs
+layers/attention.decode_attention, everything else torch SDPA. `token_logprobs` scores given tokens chunk by chunk, so the (tokens,
 152k) fp32 logits never exist at once.
 
 Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor
 parallelism.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import versions
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-versions.check()
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-
-import attention  # noqa: E402
-import kernels  # noqa: E402
-import quantize  # noqa: E402
-from linear import Linear, fuse, mlp_act, project  # noqa: E402
-from ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq  # noqa: E402
+import quantize
+from gemm.layout import pack_nvfp4
+from layers import attention
+from layers.linear import Linear, fuse, mlp_act, project
+from layers.ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -164,6 +163,14 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
 
+    def rows(self, b: int) -> "KVCache":
+        """A view of rows [0, b): the same memory, for a batch smaller than the cache's."""
+        view = KVCache.__new__(KVCache)
+        view.k = self.k[:, :b]
+        view.v = self.v[:, :b]
+        view.max_len = self.max_len
+        return view
+
 
 def attention_mask(valid_q: torch.Tensor, valid_k: torch.Tensor,
                    q_slots: torch.Tensor) -> torch.Tensor:
@@ -192,7 +199,6 @@ class Model(nn.Module):
         if self.lm_head is not None:
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.noise = None                 # AQN: (layers, 2, hidden) fp32, or None
         self.grad_checkpoint = False      # recompute each layer in backward
 
     def lm_weight(self) -> torch.Tensor:
@@ -203,12 +209,13 @@ class Model(nn.Module):
         return [(n, m) for n, m in self.named_modules() if isinstance(m, Linear)]
 
     def forward(self, ids, positions, mask, cache: KVCache | None = None, slots=None,
-                kv_len: int | None = None):
+                kv_len: int | None = None, noise: torch.Tensor | None = None):
         """ids, positions (B, T); mask (B, 1, T, S) bool or additive -> final hidden states (B, T,
         H), normed.
 
         With a cache, the T new keys/values go to `slots` (T,) and attention reads slots [0,
-        kv_len)."""
+        kv_len). noise: AQN's (layers, 2, hidden) fp32 (noise.draw), or None for the clean
+        policy."""
         # (B, T, H); hidden = h + d
         h, d = self.model.embed_tokens(ids), None
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
@@ -221,7 +228,7 @@ class Model(nn.Module):
             additive = torch.zeros(mask.shape, dtype=h.dtype, device=mask.device)
             mask = additive.masked_fill_(~mask, float("-inf"))
         for layer in self.model.layers:
-            args = (cos, sin, mask, self.noise, cache, slots, kv_len)
+            args = (cos, sin, mask, noise, cache, slots, kv_len)
             if self.grad_checkpoint and torch.is_grad_enabled() and cache is None:
                 # saves one tensor a layer: the layer's input, h + d
                 x = h if d is None else h + d
@@ -234,12 +241,12 @@ class Model(nn.Module):
         # (..., H) -> (..., V)
         return F.linear(h, self.lm_weight())
 
-    def forward_padded(self, ids, valid):
+    def forward_padded(self, ids, valid, noise=None):
         """Full sequences without a cache: ids (B, T) with `valid` (B, T) bool (padding anywhere) ->
-        (B, T, H)."""
+        (B, T, H); noise as in forward."""
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         slots = torch.arange(ids.shape[1], device=ids.device)
-        return self(ids, positions, attention_mask(valid, valid, slots))
+        return self(ids, positions, attention_mask(valid, valid, slots), noise=noise)
 
     @classmethod
     def from_pretrained(cls, path: str, device="cpu", dtype=torch.bfloat16,
@@ -258,7 +265,7 @@ class Model(nn.Module):
             model = cls(cfg).to(dtype)
         model.to_empty(device=device)
         model.inv_freq = rope_inv_freq(cfg).to(device)
-        tensors = quantize.list_tensors(folder) if not qc else _list_quantized(folder)
+        tensors = quantize.list_tensors(folder, quantized=qc is not None)
 
         def get(name, shape, dt):
             if name not in tensors:
@@ -291,7 +298,7 @@ class Model(nn.Module):
                         lin.bias = get(p + n + ".bias", (lin.out_features,), dtype)
                     N, K = lin.out_features, lin.in_features
                     if p + n + ".weight_packed" in tensors:
-                        lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                        lin.words, lin.scales, lin.global_scale, *_ = pack_nvfp4(
                             get(p + n + ".weight_packed", (N, K // 2), torch.uint8),
                             get(p + n + ".weight_scale", (N, K // 16), torch.float8_e4m3fn),
                             get(p + n + ".weight_global_scale", (1,), torch.float32))
@@ -304,7 +311,7 @@ class Model(nn.Module):
                         pre = k[:-len(".weight")]
                         bf16.pop(k)
                         lin = model.get_submodule(pre)
-                        lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                        lin.words, lin.scales, lin.global_scale, *_ = pack_nvfp4(
                             q[pre + ".weight_packed"].to(device),
                             q[pre + ".weight_scale"].to(device),
                             q[pre + ".weight_global_scale"].to(device))
@@ -313,20 +320,6 @@ class Model(nn.Module):
                 fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
                 fuse(layer.mlp, ("gate_proj", "up_proj"))
         return model.eval()
-
-
-def _list_quantized(folder: Path) -> dict:
-    """Like quantize.list_tensors, for an already-quantized folder."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    out = {}
-    for f in files:
-        header, start = quantize.read_header(f)
-        out.update({k: (f, m, start) for k, m in header.items()})
-    return out
 
 
 def token_logprobs(model: Model, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -387,49 +380,37 @@ def greedy(model: Model, ids: list[int], max_new_tokens: int) -> list[int]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description="nanoqerl model smoke test: greedy continuation of one chat prompt; "
-                    "optionally with a LoRA adapter, and its merge into a bf16 model.")
+        description="nanoqerl model smoke test: greedy continuation of one chat prompt "
+                    "(lora.py's command line does the same with an adapter).")
     ap.add_argument("--model", required=True,
-                    help="HF folder or hub id (bf16 or our NVFP4); tiny.py makes a tiny one")
+                    help="HF folder or hub id (bf16 or our NVFP4); util/tiny.py makes a tiny one")
     ap.add_argument("--prompt", default="What is 2+3?",
                     help="user message, formatted with the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     ap.add_argument("--quantize-on-load", action="store_true",
                     help="quantize a bf16 checkpoint to NVFP4 while loading")
-    ap.add_argument("--adapter", default=None,
-                    help="a LoRA adapter folder to load "
-                         "(adapter_config.json + adapter_model.safetensors)")
-    ap.add_argument("--merge-to", default=None,
-                    help="with --adapter: write a merged bf16 HF folder here (and load it back)")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
-    from transformers import AutoTokenizer
-
-    import lora  # adapters are attached from outside; lora.py never imports this file
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        if args.merge_to and not args.adapter:
-            raise ValueError("--merge-to needs --adapter: there is nothing to merge")
         model = Model.from_pretrained(args.model, device=dev,
                                       quantize_on_load=args.quantize_on_load)
-        if args.adapter:
-            cfg = lora.load_adapter(model, args.adapter)
-            n = len(lora.lora_parameters(model)) // 2
-            print(f"loaded r={cfg['r']} alpha={cfg['lora_alpha']} on {n} linears")
-        if args.merge_to:
-            out = lora.export_merged(model, args.model, args.merge_to)
-            Model.from_pretrained(out)                        # the export must load back
-            print(f"wrote {out}")
-    except (ValueError, FileNotFoundError, FileExistsError, quantize.QuantizeError) as e:
+    except (ValueError, FileNotFoundError, quantize.QuantizeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import data
-
-    tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(args.model))
-    ids = data.prompt_token_ids(tok, args.prompt)
-    print(tok.decode(greedy(model, ids, args.max_new_tokens)))
+    print(continue_chat(model, args.model, args.prompt, args.max_new_tokens))
     return 0
+
+
+def continue_chat(model: Model, model_dir: str, prompt: str, max_new_tokens: int) -> str:
+    """The greedy reply to one user message, decoded (model.py's and lora.py's smoke tests)."""
+    from transformers import AutoTokenizer
+
+    from tasks import data
+
+    tok = AutoTokenizer.from_pretrained(quantize.resolve_model_dir(model_dir))
+    ids = data.prompt_token_ids(tok, prompt)
+    return tok.decode(greedy(model, ids, max_new_tokens))
 
 
 if __name__ == "__main__":

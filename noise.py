@@ -4,9 +4,14 @@
 
 For the norm that feeds q/k/v (input_layernorm) and the one that feeds gate/up
 (post_attention_layernorm) of every layer, a fresh z ~ N(0, sigma^2 I) of size hidden enters
-ops.rms_norm as `noise`: the norm uses weight + z, formed in fp32 (in bf16, w + z == w for |w| in
-[0.5, 2] and sigma <= 7e-4), which is multiplicative noise (1 + z / w) on the next linear's input
-channels at no GEMM cost. The stored weights are never touched (nothing accumulates across steps).
+layers/ops.rms_norm as `noise`: the norm uses weight + z, formed in fp32 (in bf16, w + z == w for
+|w| in [0.5, 2] and sigma <= 7e-4), which is multiplicative noise (1 + z / w) on the next linear's
+input channels at no GEMM cost. The stored weights are never touched (nothing accumulates across
+steps).
+
+The path of z, each hop an argument named `noise`: train.rl_step draws it (draw), passes it to
+engine.generate, which passes it to Model.forward, whose Layer.forward hands z[layer] to the two
+rms_norm calls. A forward without it is the clean policy.
 
 Schedule. `stages` counts the equal intervals training is cut into, the noise-free one included, as
 QeRL's code counts its num_stages and as the paper puts it ("10 evenly spaced intervals, initialized
@@ -26,14 +31,15 @@ Where the noise applies is a flag: `rollout_only` (the default, as in the paper:
 forward is noisy, the training forward is clean) or `both`. Leaves out: linear / cosine / log
 decays (exponential worked best in the paper).
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import json
 import sys
 
-import versions
-
-versions.check()
-import torch  # noqa: E402
+import torch
 
 WHERE = ("rollout_only", "both")
 
@@ -123,21 +129,15 @@ def sample(num_layers: int, hidden: int, sigma: float, generator: torch.Generato
     return (z * sigma).to(device)
 
 
-def apply(model, sigma: float, generator: torch.Generator):
-    """Draw fresh noise into `model.noise` (in place when a buffer exists, so captured CUDA graphs
-    see it)."""
+def draw(model, sigma: float, generator: torch.Generator) -> torch.Tensor | None:
+    """This step's noise for `model`: (layers, 2, hidden) fp32 on the model's device, or None when
+    sigma is 0. The caller passes it on explicitly (engine.generate(noise=...), model(noise=...)):
+    nothing is stored on the model, so a forward without it is the clean policy."""
+    if sigma == 0:
+        return None
     cfg = model.cfg
     device = model.model.norm.weight.device
-    z = sample(cfg.num_layers, cfg.hidden_size, sigma, generator, device)   # (layers, 2, hidden)
-    if model.noise is not None and model.noise.shape == z.shape:
-        model.noise.copy_(z)
-    else:
-        model.noise = z
-    return model.noise
-
-
-def clear(model):
-    model.noise = None          # ops.rms_norm then uses the stored weight alone
+    return sample(cfg.num_layers, cfg.hidden_size, sigma, generator, device)
 
 
 def main(argv=None):

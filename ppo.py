@@ -5,8 +5,9 @@ the LoRA weights, under torchrun too.
     python train.py --algo dapo        # train.rl_step calls make_batch, policy_logprobs, ppo_update
 
 The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
-file decides which sequences go into which optimizer step, and with which learning rate.
-Under torchrun (dist.py) each rank holds only its own groups' sequences, but the shuffle and the
+file decides which sequences go into which optimizer step, and with which learning rate (the
+schedule of trainer/schedule.py, set before every optimizer step).
+Under torchrun (util/dist.py) each rank holds only its own groups' sequences, but the shuffle and the
 minibatch split run over the global batch and every loss is divided by the minibatch's global
 token and sequence counts, so the summed gradient is the one-process gradient.
 
@@ -16,27 +17,17 @@ import math
 
 import torch
 
-import dist
 import grpo
 import lora
 import model as M
-import runlog
-from train_config import seeded
+from trainer.schedule import lr_factor, set_lr
+from util import dist
 
 
-def lr_factor(i: int, total: int, warmup: int, schedule: str) -> float:
-    """Multiplier of the peak learning rate at optimizer step i of `total` (0-based).
 
-    Warm-up i / warmup, then constant 1, linear (total - i) / (total - warmup), or cosine
-    0.5 * (1 + cos(pi * progress)): transformers' get_*_schedule_with_warmup, which TRL uses."""
-    if i < warmup:
-        return i / max(1, warmup)
-    if schedule == "constant":
-        return 1.0
-    progress = (i - warmup) / max(1, total - warmup)
-    if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+def optimizer(cfg, params) -> torch.optim.AdamW:
+    """AdamW over the LoRA weights. No learning rate here: ppo_update sets each step's (set_lr)."""
+    return torch.optim.AdamW(params, lr=0.0, weight_decay=cfg.weight_decay)
 
 
 def make_batch(groups, adv, device):
@@ -68,10 +59,11 @@ def make_batch(groups, adv, device):
     return {k: v.to(device) for k, v in b.items()}
 
 
-def policy_logprobs(model, b, idx, temperature, entropy=False):
+def policy_logprobs(model, b, idx, temperature, entropy=False, noise=None):
     """The policy's log-probs of the completion tokens of sequences idx: (s, T), zeros off the
-    mask; with entropy=True also the per-token entropy (s, T), else None."""
-    h = model.forward_padded(b["ids"][idx], b["valid"][idx])                  # (s, L, H)
+    mask; with entropy=True also the per-token entropy (s, T), else None. noise: AQN's, or None
+    for the clean policy."""
+    h = model.forward_padded(b["ids"][idx], b["valid"][idx], noise=noise)     # (s, L, H)
     m = b["mask"][idx] > 0                                                    # (s, T)
     rows = torch.arange(len(idx), device=h.device)[:, None].expand_as(m)[m]   # (n,)
     hs = h[rows, b["pos"][idx][m]]                                            # (n, H)
@@ -85,15 +77,15 @@ def policy_logprobs(model, b, idx, temperature, entropy=False):
 # --------------------------------------------------------------------------------------------------
 # The update
 
-def minibatch_plan(cfg, step, rows, S, dev):
+def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int):
     """The step's optimizer steps: [(global optimizer step index, this rank's rows of it)].
 
-    Shuffle and split run over the S global sequence indices, as in one process; rows (s,) holds
-    the global index of each of this rank's sequences."""
+    Shuffle (from shuffle_seed) and split run over the S global sequence indices, as in one
+    process; rows (s,) holds the global index of each of this rank's sequences."""
     where = torch.full((S,), -1, dtype=torch.long)  # global index -> this rank's row (-1: not ours)
     where[rows] = torch.arange(len(rows))
     per_step = cfg.epochs * cfg.minibatches
-    g = torch.Generator().manual_seed(seeded(cfg, "shuffle", step))
+    g = torch.Generator().manual_seed(shuffle_seed)
     plan = []
     for epoch in range(cfg.epochs):
         order = torch.randperm(S, generator=g)                                   # (S,)
@@ -104,16 +96,18 @@ def minibatch_plan(cfg, step, rows, S, dev):
     return plan
 
 
-def ppo_update(cfg, p, step, model, b, opt_, rows, S, ctx=dist.SINGLE) -> dict:
+def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=None,
+               ctx=dist.SINGLE) -> dict:
     """epochs x minibatches AdamW steps on the LoRA weights. Raises FloatingPointError before any
     optimizer step whose loss or gradient norm is not finite, so no NaN reaches the weights.
 
     b: this rank's sequences (None: it has none); rows (s,): their indices in the global batch of
     S sequences (all of it in one process). Each rank runs its members of every minibatch under
     the minibatch's GLOBAL token and sequence counts, and the ranks' gradients are summed before
-    each optimizer step, so every rank makes the one-process update."""
+    each optimizer step, so every rank makes the one-process update. noise: AQN's in the training
+    forward (--aqn-where both), else None."""
     dev = model.model.norm.weight.device
-    plan = minibatch_plan(cfg, step, rows, S, dev)
+    plan = minibatch_plan(cfg, step, rows, S, dev, shuffle_seed)
     total = cfg.steps * cfg.epochs * cfg.minibatches              # optimizer steps in the run
     tis = grpo.resolve_tis_cap(p["tis_cap"])
 
@@ -129,8 +123,7 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, ctx=dist.SINGLE) -> dict:
     stats, gnorms, t_allreduce = [], [], 0.0
     model.train()
     for k, (i, mb) in enumerate(plan):
-        for group in opt_.param_groups:
-            group["lr"] = cfg.lr * lr_factor(i, total, cfg.warmup_steps, cfg.lr_schedule)
+        set_lr(opt_, cfg.lr * lr_factor(i, total, cfg.warmup_steps, cfg.lr_schedule))
         n_tok, n_seq = counts[2 * k], counts[2 * k + 1]
         if n_tok == 0:                                 # all masked on every rank: adds nothing
             continue
@@ -140,7 +133,7 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, ctx=dist.SINGLE) -> dict:
         for c in (mb.split(cfg.micro_batch) if len(mb) else ()):
             if b["mask"][c].sum() == 0:                # all masked: adds nothing
                 continue
-            lp, _ = policy_logprobs(model, b, c, cfg.temperature)                 # (s, T)
+            lp, _ = policy_logprobs(model, b, c, cfg.temperature, noise=noise)    # (s, T)
             loss, st = grpo.policy_loss(
                 lp, b["old_logp"][c], b["adv"][c], b["mask"][c],
                 eps_low=p["eps_low"], eps_high=p["eps_high"], agg=p["agg"],
@@ -172,10 +165,37 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, ctx=dist.SINGLE) -> dict:
 
     # Metrics of the global minibatches, from every rank's micro-batches
     ranks = ctx.gather(stats)
-    merged = [runlog.merge_stats([st for r in ranks for st in r[j]]) for j in range(len(stats))]
-    out = runlog.mean_over_minibatches(merged)
+    merged = [merge_stats([st for r in ranks for st in r[j]]) for j in range(len(stats))]
+    out = mean_over_minibatches(merged)
     out["grad_norm"] = sum(gnorms) / len(gnorms)
     out["lr"] = opt_.param_groups[0]["lr"]
     if ctx.world > 1:
         out["t_allreduce"] = t_allreduce
+    return out
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """One minibatch's metrics from its micro-batches' (grpo.policy_loss stats, each with "tokens"):
+    the loss is their sum (each was normalised by the minibatch's global counts), keys ending in
+    _max take the max, and the other means are weighted by their micro-batch's tokens."""
+    tokens = sum(s["tokens"] for s in parts)
+    out = {"loss": sum(s["loss"] for s in parts)}
+    for k in parts[0]:
+        if k in ("loss", "tokens"):
+            continue
+        if k.endswith("_max"):
+            out[k] = max(s[k] for s in parts)
+        else:
+            out[k] = sum(s[k] * s["tokens"] for s in parts) / max(tokens, 1.0)
+    return out
+
+
+def mean_over_minibatches(stats: list[dict]) -> dict:
+    """A step's metrics from its minibatches': means, except maxima for keys ending in _max."""
+    out = {}
+    for k in stats[0]:
+        if k.endswith("_max"):
+            out[k] = max(s[k] for s in stats)
+        else:
+            out[k] = sum(s[k] for s in stats) / len(stats)
     return out

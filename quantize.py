@@ -20,6 +20,10 @@ Output is written to a temporary folder beside --out and renamed at the end: an 
 Leaves out: activation quantization (weights only: the H100 runs W4A16), calibrated or searched scales (plain
 amax), MoE experts and vision towers.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import json
 import math
@@ -29,12 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-import fsutil  # noqa: E402
+from util import fsutil
 
 SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -267,8 +268,9 @@ def resolve_model_dir(model: str) -> Path:
         raise QuantizeError(f"--model {model}: not a local folder and the hub download failed ({type(e).__name__}: {e})")
 
 
-def list_tensors(model_dir: Path) -> dict[str, tuple[Path, dict, int]]:
-    """name -> (file, meta, data start) over all shards. Raises on missing / corrupt / already-quantized input."""
+def list_tensors(model_dir: Path, quantized: bool = False) -> dict[str, tuple[Path, dict, int]]:
+    """name -> (file, meta, data start) over all shards. Raises on missing or corrupt input, and on
+    already-quantized input unless `quantized` (model.py reading our NVFP4 folders)."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -282,7 +284,8 @@ def list_tensors(model_dir: Path) -> dict[str, tuple[Path, dict, int]]:
             raise QuantizeError(f"{f.name} is listed in model.safetensors.index.json but missing from {model_dir}")
         header, start = read_header(f)
         for name, meta in header.items():
-            if name.endswith(("weight_packed", "weight_scale", "weight_global_scale", ".qweight")):
+            packed = name.endswith(("weight_packed", "weight_scale", "weight_global_scale", ".qweight"))
+            if packed and not quantized:
                 raise QuantizeError(f"{model_dir} is already quantized (found {name}): pass the original bf16 checkpoint")
             tensors[name] = (f, meta, start)
     return tensors

@@ -1,11 +1,11 @@
 """rollout.py: generation for training and evaluation. A built-in engine over model.py, or vLLM
-(rollout_vllm.py).
+(vllm_backend/engine.py) behind the same interface.
 
     python rollout.py --model runs/tiny-qwen2 --prompt "What is 2+3?" --n 4 --max-new-tokens 32
 
 One interface:
-`engine.generate(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed)` ->
-a list of Sample (group-major: the n samples of prompt 0 first), each with the completion tokens,
+`engine.generate(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,
+noise)` -> a list of Sample (group-major: the n samples of prompt 0 first), each with the completion tokens,
 the engine's log-probability of each sampled token, and the finish reason ("stop" / "length").
 
 Seeding: sample k of prompt i draws from its own random stream, seeded by `seed + i * n + k`
@@ -25,7 +25,8 @@ top_k = 0, where this is exactly what the trainer computes). With temperature 0 
 log softmax(logits).
 
 The built-in engine runs the SAME modules the trainer trains: one copy of the NVFP4 base, LoRA
-read in place (no sync after an optimizer step) and AQN noise through `model.noise`. Prompts are
+read in place (no sync after an optimizer step) and the step's AQN noise passed to generate and on
+to every forward (noise.py: its path). Prompts are
 left-padded into one prefill; decode steps write a preallocated KV cache (max_batch x max_len) and
 attend over its used part, rounded up to KV_BLOCK slots. On CUDA each decode step is a CUDA graph
 per (batch bucket 1, 2, 4, ..., KV bucket); when finished sequences leave half of a bucket idle,
@@ -35,20 +36,21 @@ the live ones are compacted into the next smaller bucket, so finished rows stop 
 Leaves out: continuous batching across generate calls, paged attention, speculative decoding,
 beam search.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import json
 import sys
 from dataclasses import dataclass
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-import lora  # noqa: E402
-import model as M  # noqa: E402
-import sampler  # noqa: E402
-from kernels import triton  # noqa: E402
+import lora
+import model as M
+from kernels import triton
+from layers import sampler
 
 if triton is not None:
     import triton.language as tl
@@ -239,12 +241,10 @@ class Engine:
     def _step(self, buf, b, kv):
         """One token per row; attention reads the first kv slots of the cache (all slots in use
         lie below kv)."""
-        cache = M.KVCache.__new__(M.KVCache)            # a view of rows [0, b): no new memory
-        cache.k = self.cache.k[:, :b]
-        cache.v = self.cache.v[:, :b]
-        cache.max_len = self.max_len
+        cache = self.cache.rows(b)
         mask = buf["valid"][:, None, None, :kv]                                 # (b, 1, 1, kv)
-        h = self.model(buf["tok"], buf["pos"], mask, cache, buf["slot"], kv)    # (b, 1, H)
+        h = self.model(buf["tok"], buf["pos"], mask, cache, buf["slot"], kv,
+                       noise=self.noise)                                        # (b, 1, H)
         return self.model.logits(h[:, 0]).float()                               # (b, V)
 
     def _decode(self, b, tok, pos, valid, slot, used):
@@ -305,7 +305,9 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts, n: int = 1, max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop_token_ids=None,
-                 seed: int | None = None) -> list[Sample]:
+                 seed: int | None = None, noise: torch.Tensor | None = None) -> list[Sample]:
+        """Completions of every prompt (see the module docstring). noise: AQN's (layers, 2, hidden)
+        for every forward of this call (noise.draw), or None for the clean policy."""
         cfg = self.model.cfg
         check_request(prompts, n, max_new_tokens, stop_token_ids, cfg.vocab_size, self.max_len)
         stops = set(stop_token_ids if stop_token_ids is not None else cfg.eos_token_ids)
@@ -313,16 +315,15 @@ class Engine:
         # group-major: row j = i * n + k holds sample k of prompt i
         seqs = [(i, list(p)) for i, p in enumerate(prompts) for _ in range(n)]
 
-        # the model in eval mode, with the caller's AQN noise copied into the static buffer the
-        # graphs read, and the LoRA snapshot attached; all restored in `finally`
+        # the model in eval mode, with the call's AQN noise copied into the static buffer the
+        # graphs read (zeros: w + 0 is w exactly), and the LoRA snapshot attached; all restored in
+        # `finally`
         was_training = self.model.training
-        user_noise = self.model.noise
         self.model.eval()
-        if user_noise is not None:
-            self.noise.copy_(user_noise)
+        if noise is not None:
+            self.noise.copy_(noise)
         else:
             self.noise.zero_()
-        self.model.noise = self.noise
         self._check_graph_inputs()
         for mod, s in self.snap.items():
             mod.snap = s
@@ -337,7 +338,6 @@ class Engine:
         finally:
             for mod in self.snap:
                 mod.snap = None
-            self.model.noise = user_noise
             self.model.train(was_training)
         return out
 
@@ -353,14 +353,11 @@ class Engine:
             ids[r, P - len(p):] = torch.tensor(p, device=dev)
             valid[r, P - len(p):P] = True
         lengths = valid.sum(-1)                                           # (B,) prompt lengths
-        cache = M.KVCache.__new__(M.KVCache)                              # a view of rows [0, B)
-        cache.k = self.cache.k[:, :B]
-        cache.v = self.cache.v[:, :B]
-        cache.max_len = self.max_len
+        cache = self.cache.rows(B)
         slots = torch.arange(P, device=dev)
         pos = (valid[:, :P].long().cumsum(-1) - 1).clamp(min=0)  # (B, P): 0 at each prompt's start
         mask = M.attention_mask(valid[:, :P], valid[:, :P], slots)
-        h = self.model(ids, pos, mask, cache, slots, P)                         # (B, P, H)
+        h = self.model(ids, pos, mask, cache, slots, P, noise=self.noise)       # (B, P, H)
         logits = self.model.logits(h[:, -1]).float()                            # (B, V)
 
         # decode: token t of every live row is sampled from `logits`, then written to slot P + t
@@ -426,7 +423,7 @@ class Engine:
 # ------------------------------------------------------------------------------------- command line
 
 def main(argv=None):
-    import data
+    from tasks import data
     import quantize
     from transformers import AutoTokenizer
 

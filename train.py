@@ -10,20 +10,20 @@
     torchrun --nproc_per_node=4 train.py --algo dapo --prompts-per-step 32 ...   # 4 GPUs
 
 One RL step (rl_step):
-  1. AQN: fresh noise in the norm weights for this step's rollout (noise.py);
+  1. AQN: fresh noise for the norms of this step's rollout (noise.py), passed to the engine;
   2. roll out G completions for each prompt (rollout.py) and score them with fail-closed rewards
-     (rewards.py); DAPO drops groups whose answers are all right or all wrong and rolls out more
-     prompts until the batch is full (sample_batch);
+     (tasks/rewards.py); DAPO drops groups whose answers are all right or all wrong and rolls out
+     more prompts until the batch is full (sample_batch);
   3. group advantages and overlong shaping (grpo.py), and the trainer's own log-probs pi_old,
      without noise: the engine sampled from a noisy policy, and the TIS weight
      min(pi_old / pi_engine, C) corrects that, for every engine;
-  4. several PPO minibatch updates of the LoRA weights with AdamW (ppo_update).
+  4. several PPO minibatch updates of the LoRA weights with AdamW (ppo.py).
 Every random draw (prompts, sampling, noise, shuffling) is derived from (seed, step) and the
-prompt's index, so --resume replays exactly. The run folder holds config.json, metrics.jsonl,
-curves.png (runlog.py) and checkpoints/ (checkpoint.py); set-up and evaluation are in
-train_setup.py, the flags in train_config.py.
+prompt's index by `seeded`, so --resume replays exactly. The run folder holds config.json,
+metrics.jsonl, curves.png (trainer/runlog.py) and checkpoints/ (trainer/checkpoint.py); set-up and
+evaluation are in trainer/prepare.py, the flags in trainer/config.py.
 
-Several GPUs (torchrun, dist.py): data parallel by whole prompt groups; --prompts-per-step stays
+Several GPUs (torchrun, util/dist.py): data parallel by whole prompt groups; --prompts-per-step stays
 global. Each rank rolls out and scores its share of every round with its own engine; no draw
 depends on the rank, DAPO counts kept groups over all ranks, the minibatches are one process's
 under global counts, and the LoRA gradients are summed: N ranks make the one-process update.
@@ -32,8 +32,13 @@ Rank 0 logs and writes checkpoints, which any number of ranks can --resume.
 Leaves out: reward models, value functions, several machines (untested), rebalancing DAPO's kept
 groups across ranks.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -43,31 +48,35 @@ import threading
 import time
 from pathlib import Path
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
+import grpo
+import lora
+import noise
+import ppo
+from tasks import data, rewards
+from trainer import checkpoint, runlog
+from trainer.config import Config, Stop, apply_model_defaults, check_config, parse_args
+from trainer.config import resolve_config
+from trainer.prepare import evaluate, load_data, load_policy, make_engine, open_run, write_run
+from util import dist
 
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-import dist  # noqa: E402
-import grpo  # noqa: E402
-import lora  # noqa: E402
-import noise  # noqa: E402
-import runlog  # noqa: E402
-from ppo import make_batch, policy_logprobs, ppo_update  # noqa: E402
-from train_config import (Config, Stop, apply_model_defaults, check_config,  # noqa: E402
-                          parse_args, resolve_config, seeded)
-from train_setup import (evaluate, load_data, load_policy, make_engine,  # noqa: E402
-                         open_run, write_run)
+
+def seeded(cfg, *keys) -> int:
+    """A seed derived from (seed, keys), stable across processes: every draw of a step comes from
+    one, so --resume replays the draws and torchrun's ranks draw what one process draws."""
+    # sha256, not hash(): Python salts hash() per process. 15 hex digits: 60 bits, a valid seed
+    digest = hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()
+    return int(digest[:15], 16)
 
 
 # --------------------------------------------------------------------------------------------------
 # Rollout, rewards, the training batch
 
-def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx=dist.SINGLE):
-    """Sample prompts, generate G completions each, score them. Returns one dict per prompt group
-    of this rank's share [lo, hi) of the round's prompts (all of them in one process).
+def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, z, ctx=dist.SINGLE):
+    """Sample prompts, generate G completions each (AQN noise z, or None), score them. Returns one
+    dict per prompt group of this rank's share [lo, hi) of the round's prompts (all of them in one
+    process).
 
     Every rank draws the whole prompt list, and sample k of prompt i comes from the engine's
     stream seed + i * G + k (rollout.py), so together the ranks draw what one process draws."""
@@ -82,7 +91,7 @@ def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx=dist.SING
     seed = seeded(cfg, "sample", step, round_) + lo * G                # prompt lo's first stream
     samples = engine.generate(prompts, n=G, max_new_tokens=cfg.max_new_tokens,
                               temperature=cfg.temperature, top_p=cfg.top_p,
-                              stop_token_ids=stops, seed=seed)
+                              stop_token_ids=stops, seed=seed, noise=z)
     # samples: (len(picks) * G,) group-major, sample k of prompt i at i * G + k
     t_roll = time.time() - t0
 
@@ -91,18 +100,18 @@ def rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx=dist.SING
     for i, row in enumerate(picks):
         ss = samples[i * G:(i + 1) * G]
         texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in ss]
-        scores = [data.score(t, row["gold"], row["kind"], cfg.fmt, cfg.format_weight,
-                             cfg.accuracy_weight) for t in texts]
+        scores = [rewards.score(t, row["gold"], row["kind"], cfg.fmt, cfg.format_weight,
+                                cfg.accuracy_weight) for t in texts]
         lengths = torch.tensor([len(s.tokens) for s in ss])                          # (G,)
         penalty = grpo.overlong_penalty(lengths, cfg.max_new_tokens, cache, p["overlong_factor"])
         correct = torch.tensor([float(sc["correct"]) for sc in scores])              # (G,)
-        rewards = torch.tensor([sc["reward"] for sc in scores]) + penalty            # (G,)
+        shaped = torch.tensor([sc["reward"] for sc in scores]) + penalty             # (G,)
         groups.append(dict(key=(round_, lo + i), prompt=prompts[i], samples=ss, scores=scores,
-                           correct=correct, rewards=rewards))
+                           correct=correct, rewards=shaped))
     return groups, t_roll, sum(len(s.tokens) for s in samples)
 
 
-def sample_batch(cfg, p, step, engine, tok, rows, stops, ctx=dist.SINGLE):
+def sample_batch(cfg, p, step, engine, tok, rows, stops, z, ctx=dist.SINGLE):
     """Roll out rounds of prompt groups until the batch is full (DAPO dynamic sampling, bounded).
 
     Dynamic sampling judges a group by ACCURACY, as DAPO and verl (filter_groups.metric=acc) do:
@@ -121,7 +130,7 @@ def sample_batch(cfg, p, step, engine, tok, rows, stops, ctx=dist.SINGLE):
     mine = {}           # (round, prompt index) -> this rank's kept group
     t_roll, n_tok = 0.0, 0
     for round_ in range(1, rounds + 1):
-        groups, t, n = rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, ctx)
+        groups, t, n = rollout_groups(cfg, p, engine, tok, rows, step, stops, round_, z, ctx)
         seen += groups
         t_roll += t
         n_tok += n
@@ -149,21 +158,16 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
     """One RL step (see the module docstring). Returns the step's metrics: under torchrun, sums
     over the ranks divided by global counts (never a mean of the ranks' means), and the slowest
     rank's times."""
-    # 1. AQN: fresh noise for this step's rollout (never added to the previous step's)
+    # 1. AQN: fresh noise z for this step's rollout (never added to the previous step's); the
+    #    trainer's pi_old and updates see it only with --aqn-where both
     sigma = noise.sigma_at(step, cfg.steps, cfg.sigma_start, cfg.sigma_end, cfg.aqn_stages)
     sigma = sigma if cfg.aqn else 0.0
-    if sigma > 0:
-        noise.apply(model, sigma, torch.Generator().manual_seed(seeded(cfg, "aqn", step)))
-    else:
-        noise.clear(model)
-    if cfg.engine == "vllm":
-        engine.set_noise(model.noise)
+    z = noise.draw(model, sigma, torch.Generator().manual_seed(seeded(cfg, "aqn", step)))
+    z_train = z if cfg.aqn_where == "both" else None
 
     # 2. rollout and rewards
     t0 = time.time()
-    batch, seen, r = sample_batch(cfg, p, step, engine, tok, rows, stops, ctx)
-    if cfg.aqn_where == "rollout_only":
-        noise.clear(model)                 # the trainer's pi_old and updates are clean
+    batch, seen, r = sample_batch(cfg, p, step, engine, tok, rows, stops, z, ctx)
     if cfg.engine == "vllm":
         engine.sleep()                     # free its GPU memory for training
     scores = [s for g in seen for s in g["scores"]]
@@ -203,20 +207,22 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
     dev = model.model.norm.weight.device
     b, ent_sum, n_mask = None, 0.0, 0.0
     if batch:                              # this rank's groups (under torchrun it may have none)
-        rewards = torch.stack([g["rewards"] for g in batch])                    # (B, G)
-        adv = grpo.group_advantages(rewards, p["std_normalize"])                # (B, G)
-        b = make_batch(batch, adv, dev)
+        shaped = torch.stack([g["rewards"] for g in batch])                     # (B, G)
+        adv = grpo.group_advantages(shaped, p["std_normalize"])                 # (B, G)
+        b = ppo.make_batch(batch, adv, dev)
         if p["mask_truncated"]:
             b["mask"] = grpo.mask_truncated(b["mask"], b["truncated"])
         S = b["ids"].shape[0]
         chunks = torch.arange(S, device=dev).split(cfg.micro_batch)
         with torch.no_grad():
-            olds = [policy_logprobs(model, b, c, cfg.temperature, entropy=True) for c in chunks]
+            olds = [ppo.policy_logprobs(model, b, c, cfg.temperature, entropy=True, noise=z_train)
+                    for c in chunks]
             b["old_logp"] = torch.cat([o[0] for o in olds])                     # (S, T)
             ent = torch.cat([o[1] for o in olds])                               # (S, T)
             if p["beta"] > 0:
                 with lora.disabled(model):                                      # the base policy
-                    refs = [policy_logprobs(model, b, c, cfg.temperature)[0] for c in chunks]
+                    refs = [ppo.policy_logprobs(model, b, c, cfg.temperature, noise=z_train)[0]
+                            for c in chunks]
                 b["ref_logp"] = torch.cat(refs)                                 # (S, T)
         ent_sum = (ent * b["mask"]).sum().item()
         n_mask = b["mask"].sum().item()
@@ -226,7 +232,8 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
     # 4. the PPO updates; each sequence's global index is its group's slot x G + its sample
     G = cfg.group_size
     rows_ = torch.tensor([s * G + k for s in r["slots"] for k in range(G)], dtype=torch.long)
-    m.update(ppo_update(cfg, p, step, model, b, opt_, rows_, r["batch_groups"] * G, ctx))
+    m.update(ppo.ppo_update(cfg, p, step, model, b, opt_, rows_, r["batch_groups"] * G,
+                            seeded(cfg, "shuffle", step), z_train, ctx))
     times["t_train"] = time.time() - t1
     if "t_allreduce" in m:
         times["t_allreduce"] = m.pop("t_allreduce")
@@ -264,7 +271,6 @@ def stop_on_ctrl_c() -> tuple[dict, object]:
     if threading.current_thread() is not threading.main_thread():
         return asked, None                                # signals reach the main thread only
     return asked, signal.signal(signal.SIGINT, handler)
-
 
 
 def main(argv=None):
@@ -316,7 +322,7 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         stops = data.stop_token_ids(tok, model_dir)
         params = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
         model.grad_checkpoint = cfg.grad_checkpoint
-        opt_ = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt_ = ppo.optimizer(cfg, params)
         run, start = open_run(cfg, resume, model, opt_, stamp, ctx)
     except (Stop, ValueError, FileNotFoundError, RuntimeError) as e:
         err = e

@@ -4,11 +4,11 @@
     python -m bench kernels --sweep         # also try the candidate tile configs per (shape, M) and print the best
     python -m bench kernels --parts ablate  # the GEMM with one stage changed (token traffic, split-K fixup)
     python -m bench kernels --parts splits  # every split-K count per shape at M = 1 / 16 / 64
-    python -m bench kernels --parts ws      # kernels_ws's warp-specialized GEMM vs the Triton one, 32-768 tokens
+    python -m bench kernels --parts ws      # gemm/warp_specialized.py's GEMM vs the Triton one, 32-768 tokens
     python -m bench kernels --parts stamps  # where kernels_ws's programs spend their time (global-timer stamps)
     python -m bench model | rollout | train # memory and fwd + bwd; tokens/s of generation; one RL step (see --help)
     python -m bench profile [--train nvfp4] # where a decode step (or an RL step's train half) spends its time
-    python -m bench kernels --parts attn    # decode attention (attention.py) vs torch SDPA
+    python -m bench kernels --parts attn    # decode attention (layers/attention.py) vs torch SDPA
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper GPUs take
     python -m bench vllm                    # rollout against vLLM: bf16, its own NVFP4 path, our GEMM (vllm --help)
     python -m bench dist [--smoke]          # weak / strong scaling of an RL step over 1, 2, 4 GPUs (torchrun)
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-import fsutil
+from util import fsutil
 from bench.common import QWEN, SHAPES_7B, SHAPES_32B, copy_bandwidth
 
 

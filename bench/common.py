@@ -10,6 +10,8 @@ import statistics
 
 import torch
 
+from gemm import layout
+
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
 SHAPES_32B = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)}
 L2_BYTES = 50 * 2**20
@@ -61,13 +63,12 @@ def copy_bandwidth() -> float:
 
 
 def random_nvfp4(N, K, copies):
-    import kernels
     import quantize
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     packed, scale, gs = quantize.quantize_weight(w)
-    base = kernels.pack_nvfp4(packed, scale, gs.cuda())
-    ws = [base] + [kernels.NVFP4Weight(base.words.clone(), base.scales.clone(), base.global_scale.clone(), N, K)
+    base = layout.pack_nvfp4(packed, scale, gs.cuda())
+    ws = [base] + [layout.NVFP4Weight(base.words.clone(), base.scales.clone(), base.global_scale.clone(), N, K)
                    for _ in range(copies - 1)]
     return w, ws
 
@@ -81,7 +82,6 @@ QWEN = {"7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=
 
 def random_model(size: str, nvfp4: bool):
     """A Qwen2.5-shaped model.Model with random weights on the GPU (quantized layer by layer when nvfp4)."""
-    import kernels
     import model as M
     import quantize
 
@@ -107,7 +107,7 @@ def random_model(size: str, nvfp4: bool):
                 q, _ = quantize.quantize_state_dict(named, device="cuda")
                 for n, lin in lins.items():
                     k = f"model.layers.0.{n}."
-                    lin.words, lin.scales, lin.global_scale, *_ = kernels.pack_nvfp4(
+                    lin.words, lin.scales, lin.global_scale, *_ = layout.pack_nvfp4(
                         q[k + "weight_packed"].cuda(), q[k + "weight_scale"].cuda(),
                         q[k + "weight_global_scale"].cuda())
             else:

@@ -96,7 +96,7 @@ def bench_dgrad(out: dict):
 
 
 def bench_rmsnorm(out: dict):
-    import ops
+    from layers import ops
 
     rows = []
     M = 16384

@@ -145,26 +145,26 @@ def rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute):
 
 def rl_batch(eng, P, group, new_tokens, seed):
     import grpo
-    import train
+    import ppo
 
     samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=seed)
     groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(len(P))]
-    return train.make_batch(groups, grpo.group_advantages(torch.rand(len(P), group)), torch.device("cuda"))
+    return ppo.make_batch(groups, grpo.group_advantages(torch.rand(len(P), group)), torch.device("cuda"))
 
 
 def train_half(m, opt_, b):
     """The trainer's share of an RL step: log-probs of the rollout policy, then 2 minibatch updates (micro-batches
     of 8)."""
     import grpo
-    import train
+    import ppo
 
     S = b["ids"].shape[0]
     with torch.no_grad():
-        old = torch.cat([train.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
+        old = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
     m.train()
     for mb in torch.arange(S, device="cuda").chunk(2):
         for c in mb.split(8):
-            lp, _ = train.policy_logprobs(m, b, c, 1.0)
+            lp, _ = ppo.policy_logprobs(m, b, c, 1.0)
             loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
                                        num_tokens=b["mask"][mb].sum().item())
             loss.backward()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import fsutil
+from util import fsutil
 from bench.common import QWEN
 
 SMALL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -60,7 +60,7 @@ def write_folder(path: Path, shape: dict, base: str, dev: str) -> Path:
     """A random Qwen2 checkpoint at `shape`, base "bf16" or "nvfp4", written atomically; an
     existing folder with a config.json is kept."""
     import quantize
-    import tiny
+    from util import tiny
     from safetensors.torch import save_file
 
     if (path / "config.json").exists():

@@ -116,7 +116,7 @@ def engine_ab(size: str, batches, knob: str, prompt: int = 256, new_tokens: int 
     so the ratio of the two is also shown); silu: SiLU x up in gate_up's epilogue (kernels.nvfp4_mm(gated=)) vs
     ops.silu_mul after it (NVFP4); rope: RoPE and the cache write inside the attention kernel vs ops.rope_cache
     (NVFP4)."""
-    import attention
+    from layers import attention
     import kernels
     import rollout
 

@@ -28,13 +28,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# torchrun runs this file as a script: import the stages, not bench/'s modules
+if __name__ == "__main__" and Path(sys.path[0]).name == "bench":
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import torch
+
+from util import fsutil
+
 ROOT = Path(__file__).resolve().parent.parent
-if __name__ == "__main__" and sys.path[0] == str(ROOT / "bench"):  # torchrun runs this file as a script:
-    sys.path[0] = str(ROOT)                                           # import the stages, not bench/'s modules
-
-import torch  # noqa: E402
-
-import fsutil  # noqa: E402
 
 
 def sync(dev):
@@ -45,7 +47,7 @@ def sync(dev):
 def build(args, dev):
     """The policy: bench.common's random Qwen2.5 shape on this rank's GPU, or the built-in tiny model (--smoke)."""
     import model as M
-    import tiny
+    from util import tiny
     from bench.common import random_model
 
     if args.smoke:
@@ -75,12 +77,12 @@ def pure_allreduce(params, ctx, reps: int = 5) -> float:
 
 def worker(args) -> int:
     """One rank of one torchrun job: args.steps RL steps; rank 0 writes the timings to args.out."""
-    import dist
+    from util import dist
     import grpo
     import lora
     import ppo
     import rollout
-    from train_config import Config
+    from trainer.config import Config
 
     world = dist.env_world()
     P = args.prompts * world if args.mode == "weak" else args.strong_prompts   # global prompt groups a step
@@ -114,7 +116,8 @@ def worker(args) -> int:
         with torch.no_grad():
             b["old_logp"] = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0]
                                        for c in torch.arange(S, device=dev).split(8)])       # (S, T)
-        out = ppo.ppo_update(cfg, p, step, m, b, opt_, torch.arange(lo * G, hi * G), P * G, ctx)
+        out = ppo.ppo_update(cfg, p, step, m, b, opt_, torch.arange(lo * G, hi * G), P * G,
+                             shuffle_seed=step, ctx=ctx)
         sync(dev)
         t2 = time.perf_counter()
         ar = out.get("t_allreduce", 0.0)

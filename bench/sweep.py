@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from bench import common
+from gemm import layout
 from kernels import _dequant_regs, split_k
 
 
@@ -72,7 +73,7 @@ def _compile_worker(rank: int, jobs: int, Ms, family: str, shapes: dict):
     mine = {k for i, k in enumerate(keys) if i % jobs == rank}
     for N, K in shapes.values():
         KT, Np = -(-K // 128), -(-N // 128) * 128                        # the values do not matter for compiling
-        w = kernels.NVFP4Weight(torch.zeros(KT, Np, 16, dtype=torch.int32, device="cuda"),
+        w = layout.NVFP4Weight(torch.zeros(KT, Np, 16, dtype=torch.int32, device="cuda"),
                                 torch.zeros(KT, Np, 2, dtype=torch.int32, device="cuda"),
                                 torch.ones(1, device="cuda"), N, K)
         for M in Ms:
@@ -270,7 +271,7 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
     split) against kernels.py's Triton GEMM (its mm_config) and bf16 F.linear, per 7B shape and token count, in one
     run, with the choice kernels.nvfp4_mm makes (kernels_ws.ws_config)."""
     import kernels
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
 
     rows = []
     name_of = lambda c: (f"{c['BM']}/{c['maxnreg']}/k{c.get('SPLIT', 1)}"                  # noqa: E731
@@ -308,7 +309,7 @@ def stamps(out: dict):
     read by each program at its start, when its first tile has landed, after its K loop and after its store (the
     split-K fixup included): medians over the programs of one call (L2 flushed before it), for the M = 64 shapes
     qkv at 256 tokens (two waves of 128-token programs, or one of 256-token ones) and o at 512 tokens."""
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
@@ -351,7 +352,7 @@ def sampler(out: dict):
     """python -m bench kernels --parts sampler: sampler.race_sample over Qwen's 152064 logits at the rollout's batch
     sizes, its default chunks of a row against one chunk a row (one program a row: the sampler before the chunks),
     in one run; logits and noise stay in L2 between calls, as the logits do after the lm_head that writes them."""
-    from sampler import race_sample
+    from layers.sampler import race_sample
 
     rows = []
     for B in (1, 16, 64, 256):
@@ -368,7 +369,7 @@ def attn(out: dict):
     (additive mask, enable_gqa) for one decode step's layer, 7B (28 / 4 heads) and 32B (40 / 8) at the rollout's
     batch sizes and KV lengths; KV caches rotate over enough copies that every call reads from HBM. Also the KV
     bytes per call over the time, against the copy bandwidth; and the kernel as a decode step calls it (new=)."""
-    import attention
+    from layers import attention
 
     copy = common.copy_bandwidth()
     rows = []

@@ -13,7 +13,7 @@ The engines (--engines):
     vllm-nvfp4      vLLM on the NVFP4 folder through its own compressed-tensors path: weights-only
                     NVFP4 is its W4A16 FP4 scheme on the Marlin FP4 kernel (no code of ours:
                     QeRL's rollout)
-    vllm-ours       vLLM with our GEMM and noisy norms (rollout_vllm.VLLMEngine), NVFP4 folder
+    vllm-ours       vLLM with our GEMM and noisy norms (vllm_backend/engine.VLLMEngine), NVFP4 folder
     built-in-nvfp4  the built-in engine (rollout.Engine), NVFP4 folder
     built-in-bf16   the built-in engine, bf16 folder
 
@@ -60,8 +60,8 @@ from pathlib import Path
 
 import torch
 
-import fsutil
-from bench.peer_folders import SHAPES, folders, prepare, write_adapter, write_folder  # noqa: F401
+from bench.peer_folders import SHAPES, folders, prepare
+from util import fsutil
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = {"vllm-bf16": "bf16",               # engine -> the folder it reads
@@ -111,7 +111,7 @@ def vllm_generate_fn(job: dict, folder: Path, adapter: Path | None, cuda: bool):
         args["compilation_config"] = {"cudagraph_capture_sizes": sorted(job["batches"])}
 
     if job["engine"] == "vllm-ours":
-        import rollout_vllm as RV
+        from vllm_backend import engine as RV
 
         eng = RV.VLLMEngine(str(folder), enable_lora=bool(adapter),
                             max_lora_rank=max(job["lora_rank"], 1), enable_sleep_mode=False,

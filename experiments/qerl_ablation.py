@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # the stage files and stats.py, whatever the working folder
 
-import fsutil  # noqa: E402
+from util import fsutil  # noqa: E402
 import stats  # noqa: E402
 
 # name: (label, train.py flags). The four QeRL arms, then QeRL's arm without the TIS correction.
@@ -106,7 +106,7 @@ def parse_list(text: str, flag: str, kind) -> list:
 
 def check_train_flags(extra: list[str], arms: list[str], lrs: list[float]) -> None:
     """Every arm's train.py config is checked here, before any process starts (one line for the first problem)."""
-    import train_config as tc
+    from trainer import config as tc
 
     def fail(msg):
         raise Stop(f"train.py flags: {msg}")
@@ -171,22 +171,21 @@ def probe_entropy(cfg, model, engine, prompts, stops, n: int, sigma: float) -> f
     import torch
 
     import noise
+    import ppo
     import train
 
     dev = model.model.norm.weight.device
-    if sigma > 0:
-        noise.apply(model, sigma, torch.Generator().manual_seed(train.seeded(cfg, "probe-noise")))
+    z = noise.draw(model, sigma, torch.Generator().manual_seed(train.seeded(cfg, "probe-noise")))
     samples = engine.generate(prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                              top_p=cfg.top_p, stop_token_ids=stops, seed=train.seeded(cfg, "probe"))
+                              top_p=cfg.top_p, stop_token_ids=stops, seed=train.seeded(cfg, "probe"), noise=z)
     groups = [dict(prompt=p, samples=samples[i * n:(i + 1) * n]) for i, p in enumerate(prompts)]  # group-major
-    b = train.make_batch(groups, torch.zeros(len(prompts), n), dev)
+    b = ppo.make_batch(groups, torch.zeros(len(prompts), n), dev)
     total = count = 0.0
     with torch.no_grad():
         for c in torch.arange(b["ids"].shape[0], device=dev).split(cfg.micro_batch):
-            _, ent = train.policy_logprobs(model, b, c, cfg.temperature, entropy=True)           # (s, T)
+            _, ent = ppo.policy_logprobs(model, b, c, cfg.temperature, entropy=True, noise=z)       # (s, T)
             total += (ent * b["mask"][c]).sum().item()
             count += b["mask"][c].sum().item()
-    noise.clear(model)
     return total / max(count, 1.0)
 
 
@@ -194,18 +193,18 @@ def post_run(run: Path, settings: dict) -> dict:
     """The entropy probe before any update, and pass@k at step 0 and at every checkpoint of a trained run."""
     import torch
 
-    import data
     import eval as evaluation
     import lora
     import rollout
-    import train
-    from train_config import Config
+    from tasks import data
+    from trainer import prepare
+    from trainer.config import Config
 
     t0 = time.time()
     cfg = Config(**json.loads((run / "config.json").read_text()))
-    _, eval_rows = train.load_data(cfg)  # the held-out rows training used
+    _, eval_rows = prepare.load_data(cfg)  # the held-out rows training used
     dev = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_dir, tok, model = train.load_policy(cfg, dev)  # the arm's base; LoRA starts at B = 0, so this is step 0
+    model_dir, tok, model = prepare.load_policy(cfg, dev)  # the arm's base; LoRA starts at B = 0, so this is step 0
     stops = data.stop_token_ids(tok, model_dir)
     prompts = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in eval_rows]
     engine = rollout.Engine(model, max_len=max(map(len, prompts)) + cfg.max_new_tokens,
@@ -231,7 +230,7 @@ def post_run(run: Path, settings: dict) -> dict:
 def worker(spec: dict) -> int:
     """Train (new, resumed or restarted), then the post-run evaluations. Returns the exit code."""
     import train
-    from train_config import Stop as TrainStop
+    from trainer.config import Stop as TrainStop
 
     run = Path(spec["run"])
     state = run_state(run)
@@ -463,10 +462,10 @@ def main(argv=None) -> int:
         print(f"{len(jobs)} runs to do on {len(slots)} slot(s) ({', '.join(s or 'cpu' for s in slots)}); "
               f"{skipped} finished runs skipped")
         if jobs:
-            import train_config as tc
+            from trainer import config as tc
 
             if tc.parse_args(cfg["train_flags"])[0].model == "tiny":  # made per seed on first use: once, here
-                import tiny
+                from util import tiny
                 for seed in cfg["seeds"]:
                     tiny.tiny_model_dir(seed)
             t0 = time.time()

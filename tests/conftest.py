@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import tiny  # noqa: E402
+from util import tiny  # noqa: E402
 
 TOKENIZER_DIR = tiny.TOKENIZER_DIR
 

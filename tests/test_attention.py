@@ -1,10 +1,10 @@
-"""attention.py: the decode attention kernel against its reference, and model.py's decode step running it.
+"""layers/attention.py: the decode attention kernel against its reference, and model.py's decode step running it.
 
 On CPU the kernel runs under TRITON_INTERPRET=1; on a CUDA machine the real kernel, plus the 7B / 32B head shapes."""
 import pytest
 import torch
 
-import attention as A
+from layers import attention as A
 import kernels as K
 import model as M
 
@@ -67,7 +67,7 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
     cache views (the same bits as ops.rope_cache) and counts them from registers; the output matches rope_cache
     followed by the attention over the keys up to the slot (causal: valid keys after it are left out). Slots in the
     last chunk and inside the chunks, and a new slot masked out."""
-    import ops
+    from layers import ops
     g = torch.Generator().manual_seed(S + HQ)
     q = torch.randn(B, HQ, 1, D, generator=g).to(DEV, torch.bfloat16)
     kn, vn = torch.randn(2, B, HK, D, generator=g).to(DEV, torch.bfloat16)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import lora
 import model as M
 import quantize
+from bench import peer_folders
 from bench import vllm_speed as V
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -77,9 +78,9 @@ def test_root_cause_reads_only_the_rerun(tmp_path):
 
 
 def test_folders_and_adapter_load_in_our_model(tmp_path):
-    bf16 = V.write_folder(tmp_path / "bf16", TINY, "bf16", "cpu")
-    nvfp4 = V.write_folder(tmp_path / "nvfp4", TINY, "nvfp4", "cpu")
-    adapter = V.write_adapter(tmp_path / "lora", TINY, 4)
+    bf16 = peer_folders.write_folder(tmp_path / "bf16", TINY, "bf16", "cpu")
+    nvfp4 = peer_folders.write_folder(tmp_path / "nvfp4", TINY, "nvfp4", "cpu")
+    adapter = peer_folders.write_adapter(tmp_path / "lora", TINY, 4)
     assert "quantization_config" in json.loads((nvfp4 / "config.json").read_text())
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     for folder in (bf16, nvfp4):

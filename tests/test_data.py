@@ -1,4 +1,4 @@
-"""Tests of data.py: readers, prompts, answer extraction and fail-closed scoring, on real cases of each format.
+"""Tests of tasks/data.py: readers, prompts, answer extraction and fail-closed scoring, on real cases of each format.
 
 Golds are read from the bundled files by row index and checked against the value written here, so the
 cases are the datasets' own answers, not invented ones. Runs on CPU in a few seconds.
@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
-import rewards  # noqa: E402
+from tasks import data  # noqa: E402
+from tasks import rewards  # noqa: E402
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "qwen2.5-tokenizer"
 
@@ -67,7 +67,7 @@ GSM8K_GOLDS = [
 def test_gsm8k_gold_lines(rows, task, index, last_line, gold):
     raw = data._read_jsonl(data.TASKS[task]["path"])[index]["answer"]
     assert raw.splitlines()[-1] == last_line
-    assert data.parse_gold(raw, "gsm8k") == gold
+    assert rewards.parse_gold(raw, "gsm8k") == gold
     assert rows[task][index]["gold"] == gold
 
 
@@ -76,11 +76,11 @@ def test_competition_golds(rows):
     assert rows["aime25"][0]["gold"] == "70"    # AIME25 answers are ints
     assert rows["amc23"][0]["gold"] == "27"     # AMC23 answers are floats: 27.0
     assert rows["amc23"][15]["gold"] == "-1"    # -1.0
-    assert data.score("\\boxed{25}", "025", "math")["correct"]
-    assert data.score("\\boxed{025}", "025", "math")["correct"]
-    assert not data.score("\\boxed{250}", "025", "math")["correct"]
-    assert data.score("so the distance is \\boxed{27}.", rows["amc23"][0]["gold"], "math")["correct"]
-    assert data.score("\\boxed{27.0}", "27", "math")["correct"]
+    assert rewards.score("\\boxed{25}", "025", "math")["correct"]
+    assert rewards.score("\\boxed{025}", "025", "math")["correct"]
+    assert not rewards.score("\\boxed{250}", "025", "math")["correct"]
+    assert rewards.score("so the distance is \\boxed{27}.", rows["amc23"][0]["gold"], "math")["correct"]
+    assert rewards.score("\\boxed{27.0}", "27", "math")["correct"]
 
 
 # ----------------------------------------------------------------------------- GSM8K-style extraction
@@ -115,23 +115,23 @@ GSM8K_RESPONSES = [
 
 @pytest.mark.parametrize("response,expected", GSM8K_RESPONSES)
 def test_gsm8k_extraction(response, expected):
-    assert data.extract_answer(response, "gsm8k") == expected
+    assert rewards.extract_answer(response, "gsm8k") == expected
 
 
 def test_gsm8k_scoring_and_fail_closed():
-    assert data.score("\\boxed{1,080}", "1080", "gsm8k")["correct"]
-    assert data.score("\\boxed{1080.0}", "1080", "gsm8k")["correct"]
-    wrong = data.score("\\boxed{1081}", "1080", "gsm8k")
+    assert rewards.score("\\boxed{1,080}", "1080", "gsm8k")["correct"]
+    assert rewards.score("\\boxed{1080.0}", "1080", "gsm8k")["correct"]
+    wrong = rewards.score("\\boxed{1081}", "1080", "gsm8k")
     assert wrong == {"reward": 0.0, "correct": False, "format_ok": True, "parse_failed": False, "pred": "1081"}
-    none = data.score("I give up.", "1080", "gsm8k")
+    none = rewards.score("I give up.", "1080", "gsm8k")
     assert none["reward"] == 0.0 and none["parse_failed"] and none["pred"] is None
     # An unparsable gold scores 0, never 1, even when the response holds the "right" number.
     for bad_answer in ["She makes 18 dollars.", "#### eighteen", "####"]:
-        gold = data.parse_gold(bad_answer, "gsm8k")
+        gold = rewards.parse_gold(bad_answer, "gsm8k")
         assert gold is None
-        s = data.score("\\boxed{18}", gold, "gsm8k", format_weight=0.0)
+        s = rewards.score("\\boxed{18}", gold, "gsm8k", format_weight=0.0)
         assert s["reward"] == 0.0 and not s["correct"] and s["parse_failed"]
-    s = data.score("\\boxed{18}", "not a number", "gsm8k")
+    s = rewards.score("\\boxed{18}", "not a number", "gsm8k")
     assert s["reward"] == 0.0 and s["parse_failed"]
 
 
@@ -149,10 +149,10 @@ ISSUE_CASES = [
 
 @pytest.mark.parametrize("response,gold,old", ISSUE_CASES)
 def test_gsm8k_box_contents_from_the_issue(response, gold, old):
-    s = data.score(response, gold, "gsm8k")
+    s = rewards.score(response, gold, "gsm8k")
     assert s["correct"] and not s["parse_failed"] and s["pred"] == gold and s["reward"] == 1.0
     if old is not None:
-        s = data.score(response, old, "gsm8k")
+        s = rewards.score(response, old, "gsm8k")
         assert not s["correct"] and not s["parse_failed"] and s["reward"] == 0.0
 
 
@@ -162,7 +162,7 @@ def test_gsm8k_box_contents_from_the_issue(response, gold, old):
     ("\\boxed{10:30}", "30", True),                       # a time is not a number: was 30
 ])
 def test_gsm8k_no_answer_scores_zero_as_parse_failure(response, gold, fmt_ok):
-    s = data.score(response, gold, "gsm8k", format_weight=0.5)
+    s = rewards.score(response, gold, "gsm8k", format_weight=0.5)
     assert s == {"reward": 0.5 * fmt_ok, "correct": False, "format_ok": fmt_ok, "parse_failed": True, "pred": None}
 
 
@@ -194,13 +194,13 @@ BOX_CONTENTS = [
 
 @pytest.mark.parametrize("content,expected", BOX_CONTENTS)
 def test_gsm8k_box_contents(content, expected):
-    assert data.extract_answer(f"so \\boxed{{{content}}}", "gsm8k") == expected
+    assert rewards.extract_answer(f"so \\boxed{{{content}}}", "gsm8k") == expected
 
 
 def test_gsm8k_values_compare_exactly():
-    assert not data.score("\\boxed{\\frac{1}{3}}", "0.33", "gsm8k")["correct"]
-    assert data.score("\\boxed{\\frac{6}{12}}", "0.5", "gsm8k")["correct"]
-    assert data.score("\\boxed{\\frac{6}{2}}", "3", "gsm8k")["pred"] == "3"
+    assert not rewards.score("\\boxed{\\frac{1}{3}}", "0.33", "gsm8k")["correct"]
+    assert rewards.score("\\boxed{\\frac{6}{12}}", "0.5", "gsm8k")["correct"]
+    assert rewards.score("\\boxed{\\frac{6}{2}}", "3", "gsm8k")["pred"] == "3"
 
 
 # fmt "think": the answer is the last closed <answer> block (its last box if it has one); nothing else counts.
@@ -219,12 +219,12 @@ THINK_ANSWERS = [
 
 @pytest.mark.parametrize("response,expected", THINK_ANSWERS)
 def test_think_answers_are_fail_closed(response, expected):
-    assert data.extract_answer(response, "gsm8k", fmt="think") == expected
+    assert rewards.extract_answer(response, "gsm8k", fmt="think") == expected
 
 
 def test_gsm8k_expressions_off_the_main_thread():
     box = []
-    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{\\frac{1}{2}}", "0.5", "gsm8k")))
+    t = threading.Thread(target=lambda: box.append(rewards.score("\\boxed{\\frac{1}{2}}", "0.5", "gsm8k")))
     t.start()
     t.join(30)
     assert box and box[0]["correct"] and not box[0]["parse_failed"]
@@ -233,22 +233,22 @@ def test_gsm8k_expressions_off_the_main_thread():
 # ----------------------------------------------------------------------------- MATH-style extraction and scoring
 
 def test_math_extraction():
-    assert data.extract_answer("so $p = \\boxed{\\frac{1}{2}}$.", "math") == "\\frac{1}{2}"   # nested braces
+    assert rewards.extract_answer("so $p = \\boxed{\\frac{1}{2}}$.", "math") == "\\frac{1}{2}"   # nested braces
     r = "are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$"          # MATH-500 row 0's own solution ending
-    assert data.extract_answer(r, "math") == "\\left( 3, \\frac{\\pi}{2} \\right)"
-    assert data.extract_answer("\\boxed{\\frac{1}{3}} no, \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
-    assert data.extract_answer("\\fbox{7}", "math") == "7"
-    assert data.extract_answer("\\boxed{} then \\boxed{x^{2}}", "math") == "x^{2}"  # empty boxes don't count
-    assert data.extract_answer("The answer is 1/2.", "math") is None   # math answers must be boxed
-    assert data.extract_answer("\\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "math") is None   # last box cut off
-    assert data.extract_answer("<think>x</think>\\boxed{\\frac{1}{2}}", "math", fmt="think") is None  # no <answer>
+    assert rewards.extract_answer(r, "math") == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert rewards.extract_answer("\\boxed{\\frac{1}{3}} no, \\boxed{\\frac{1}{2}}", "math") == "\\frac{1}{2}"
+    assert rewards.extract_answer("\\fbox{7}", "math") == "7"
+    assert rewards.extract_answer("\\boxed{} then \\boxed{x^{2}}", "math") == "x^{2}"  # empty boxes don't count
+    assert rewards.extract_answer("The answer is 1/2.", "math") is None   # math answers must be boxed
+    assert rewards.extract_answer("\\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "math") is None   # last box cut off
+    assert rewards.extract_answer("<think>x</think>\\boxed{\\frac{1}{2}}", "math", fmt="think") is None  # no <answer>
 
 
 def test_math500_solutions_boxed_answer_matches_gold(rows):
     """Every MATH-500 solution's last \\boxed{} is scored correct against the row's gold (same formatting family)."""
     raw = data._read_jsonl(data.TASKS["math500"]["path"])
     sample = raw[::25]   # 20 rows spread over subjects and levels
-    results = [data.score(r["solution"], r["answer"], "math") for r in sample]
+    results = [rewards.score(r["solution"], r["answer"], "math") for r in sample]
     assert all(s["correct"] and not s["parse_failed"] for s in results), \
         [(r["answer"], s["pred"]) for r, s in zip(sample, results) if not s["correct"]]
 
@@ -282,22 +282,22 @@ MATH_CASES = [
 @pytest.mark.parametrize("index,gold,response,correct", MATH_CASES)
 def test_math_scoring_on_math500_golds(rows, index, gold, response, correct):
     assert rows["math500"][index]["gold"] == gold
-    s = data.score(response, gold, "math")
+    s = rewards.score(response, gold, "math")
     assert s["correct"] is correct and not s["parse_failed"]
     assert s["reward"] == (1.0 if correct else 0.0)
 
 
 def test_math_fail_closed():
     # No answer in the response.
-    s = data.score("I could not finish.", "\\frac{1}{2}", "math", format_weight=0.5)
+    s = rewards.score("I could not finish.", "\\frac{1}{2}", "math", format_weight=0.5)
     assert s["reward"] == 0.0 and s["parse_failed"] and not s["correct"]
     # Gold missing, or golds that math-verify cannot parse (the last two are real MATH 12k train answers):
     # 0 even for a response that repeats them exactly, and counted as a parse failure.
     for gold in [None, "}{", "a + b + c", "\\sin^2 t"]:
-        s = data.score(f"\\boxed{{{gold}}}", gold, "math")
+        s = rewards.score(f"\\boxed{{{gold}}}", gold, "math")
         assert s["reward"] == 0.0 and not s["correct"] and s["parse_failed"], gold
     # A response that cannot be parsed.
-    s = data.score("\\boxed{}}{}", "5", "math")
+    s = rewards.score("\\boxed{}}{}", "5", "math")
     assert s["reward"] == 0.0 and not s["correct"]
 
 
@@ -312,21 +312,21 @@ MATH12K_GOLDS = [
 
 @pytest.mark.parametrize("gold,response", MATH12K_GOLDS)
 def test_math12k_golds_that_need_cleaning(gold, response):
-    s = data.score(response, gold, "math")
+    s = rewards.score(response, gold, "math")
     assert s["correct"] and not s["parse_failed"]
 
 
 def test_math_fallback_without_math_verify(monkeypatch):
     monkeypatch.setattr(rewards, "math_verify", None)
-    assert data.math_equal("\\frac{1}{2}", "\\dfrac{1}{2}") == (True, True)
-    assert data.math_equal("27", "27.0") == (True, True)
-    assert data.math_equal("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})") == (True, True)
-    assert data.math_equal("\\frac{1}{2}", "0.5") == (True, False)   # string equality knows no fractions
+    assert rewards.math_equal("\\frac{1}{2}", "\\dfrac{1}{2}") == (True, True)
+    assert rewards.math_equal("27", "27.0") == (True, True)
+    assert rewards.math_equal("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})") == (True, True)
+    assert rewards.math_equal("\\frac{1}{2}", "0.5") == (True, False)   # string equality knows no fractions
 
 
 def test_math_verify_works_off_the_main_thread():
     box = []
-    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{0.5}", "\\frac{1}{2}", "math")))
+    t = threading.Thread(target=lambda: box.append(rewards.score("\\boxed{0.5}", "\\frac{1}{2}", "math")))
     t.start()
     t.join(30)
     assert box and box[0]["correct"] and not box[0]["parse_failed"]
@@ -336,7 +336,7 @@ def test_timeout_off_the_main_thread(monkeypatch):
     monkeypatch.setattr(rewards, "_mv_check", lambda g, p, t: (time.sleep(3), (True, True, True))[1])
     box = []
     start = time.time()
-    t = threading.Thread(target=lambda: box.append(data.score("\\boxed{1}", "1", "math", timeout_s=0.2)))
+    t = threading.Thread(target=lambda: box.append(rewards.score("\\boxed{1}", "1", "math", timeout_s=0.2)))
     t.start()
     t.join(10)
     assert time.time() - start < 2.0
@@ -349,7 +349,7 @@ def test_timeout_in_the_main_thread(monkeypatch):
         pytest.skip("this math-verify version has no extract_target_from_pred to slow down")
     monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", lambda *a, **k: time.sleep(10))
     start = time.time()
-    s = data.score("\\boxed{1}", "1", "math", timeout_s=1)
+    s = rewards.score("\\boxed{1}", "1", "math", timeout_s=1)
     assert time.time() - start < 5.0   # math-verify's SIGALRM interrupted the parse after 1 s
     assert s["reward"] == 0.0 and s["parse_failed"]
 
@@ -369,34 +369,34 @@ THINK_CASES = [
 
 @pytest.mark.parametrize("response,ok", THINK_CASES)
 def test_think_format(response, ok):
-    assert data.format_ok(response, "think") is ok
+    assert rewards.format_ok(response, "think") is ok
 
 
 def test_boxed_format():
-    assert data.format_ok("so \\boxed{\\frac{1}{2}}", "boxed")
-    assert not data.format_ok("so 1/2", "boxed")
-    assert not data.format_ok("so \\boxed{}", "boxed")
-    assert not data.format_ok("so \\boxed{\\frac{1}{2}", "boxed")    # unclosed
-    assert not data.format_ok("so \\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "boxed")   # the last one is unclosed
+    assert rewards.format_ok("so \\boxed{\\frac{1}{2}}", "boxed")
+    assert not rewards.format_ok("so 1/2", "boxed")
+    assert not rewards.format_ok("so \\boxed{}", "boxed")
+    assert not rewards.format_ok("so \\boxed{\\frac{1}{2}", "boxed")    # unclosed
+    assert not rewards.format_ok("so \\boxed{\\frac{1}{2}} or \\boxed{\\frac{1}{", "boxed")   # the last one is unclosed
 
 
 def test_think_extraction_prefers_the_answer_block():
     r = "<think>maybe \\boxed{3}? no.</think><answer>5</answer>"
-    assert data.extract_answer(r, "gsm8k", fmt="think") == "5"
-    assert data.extract_answer(r, "gsm8k", fmt="boxed") == "3"
-    assert data.extract_answer("<think>x</think><answer>\\frac{1}{2}</answer>", "math", fmt="think") == "\\frac{1}{2}"
+    assert rewards.extract_answer(r, "gsm8k", fmt="think") == "5"
+    assert rewards.extract_answer(r, "gsm8k", fmt="boxed") == "3"
+    assert rewards.extract_answer("<think>x</think><answer>\\frac{1}{2}</answer>", "math", fmt="think") == "\\frac{1}{2}"
 
 
 def test_format_and_accuracy_weights_are_separate():
     good = "<think>9*2</think><answer>\\boxed{18}</answer>"
-    assert data.score(good, "18", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(1.2)
-    assert data.score(good, "17", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(0.2)
-    s = data.score("<answer>\\boxed{18}</answer>", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, no <think>
+    assert rewards.score(good, "18", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(1.2)
+    assert rewards.score(good, "17", "gsm8k", "think", 0.2, 1.0)["reward"] == pytest.approx(0.2)
+    s = rewards.score("<answer>\\boxed{18}</answer>", "18", "gsm8k", "think", 0.2, 1.0)   # right answer, no <think>
     assert s["correct"] and not s["format_ok"] and s["reward"] == pytest.approx(1.0)
-    s = data.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # no <answer> block: no answer at all
+    s = rewards.score("\\boxed{18}", "18", "gsm8k", "think", 0.2, 1.0)   # no <answer> block: no answer at all
     assert not s["correct"] and s["parse_failed"] and s["reward"] == 0.0
-    assert data.score(good, "18", "gsm8k", "think", 0.0, 0.5)["reward"] == pytest.approx(0.5)
-    summary = data.summarize([data.score(good, "18", "gsm8k", "think"), data.score("no", "18", "gsm8k", "think")])
+    assert rewards.score(good, "18", "gsm8k", "think", 0.0, 0.5)["reward"] == pytest.approx(0.5)
+    summary = rewards.summarize([rewards.score(good, "18", "gsm8k", "think"), rewards.score("no", "18", "gsm8k", "think")])
     assert summary == {"n": 2, "reward": 0.5, "accuracy": 0.5, "format_rate": 0.5, "parse_fail_rate": 0.5}
 
 
@@ -426,7 +426,7 @@ def test_synthetic_rows():
     assert data.load_rows("synthetic_mod10", limit=5)[0][0]["question"].endswith("modulo 10? Answer with a single digit.")
     got, stats = data.load_rows("synthetic", limit=20, seed=3)
     assert len(got) == 20 and stats["rows"] == 20 and got[0]["kind"] == "gsm8k"
-    assert data.score(f"The result is \\boxed{{{got[0]['gold']}}}", got[0]["gold"], "gsm8k")["correct"]
+    assert rewards.score(f"The result is \\boxed{{{got[0]['gold']}}}", got[0]["gold"], "gsm8k")["correct"]
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -520,11 +520,11 @@ def test_bad_json_line(tmp_path):
 
 def test_unknown_kind_and_format():
     with pytest.raises(ValueError, match="kind"):
-        data.extract_answer("\\boxed{1}", "code")
+        rewards.extract_answer("\\boxed{1}", "code")
     with pytest.raises(ValueError, match="format"):
-        data.format_ok("\\boxed{1}", "xml")
+        rewards.format_ok("\\boxed{1}", "xml")
     with pytest.raises(ValueError, match="gold kind"):
-        data.parse_gold("1", "code")
+        rewards.parse_gold("1", "code")
 
 
 # ----------------------------------------------------------------------------- stop tokens

@@ -1,4 +1,4 @@
-"""Several processes (torchrun, dist.py): 2 gloo ranks on CPU train and evaluate what one process does, resume each
+"""Several processes (torchrun, util/dist.py): 2 gloo ranks on CPU train and evaluate what one process does, resume each
 other's checkpoints, keep their adapters bit-identical, and stop together with one line on bad set-ups. Also the
 per-sequence random streams of rollout.py that make it possible. The tiny model, fp32 on CPU.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import dist
+from util import dist
 import rollout as R
 import train
 
@@ -148,7 +148,7 @@ def test_resume_a_one_process_checkpoint_with_two_ranks(runs, tmp_path):
 
 def test_eval_py_with_two_ranks_writes_what_one_process_writes(runs, tmp_path):
     import eval as E
-    import tiny
+    from util import tiny
 
     args = ["--model", str(tiny.tiny_model_dir(0)), "--task", "synthetic", "--limit", "5", "--num-samples", "3",
             "--temperature", "1.0", "--max-new-tokens", "8"]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import quantize as Q
-import tiny
-import versions
+from util import tiny
+from util import versions
 
 ROOT = Path(__file__).resolve().parent.parent
 # The shortest run of README command 1 (`train.py --algo dapo`: the shipped small model) that still takes a step,

@@ -8,8 +8,9 @@ import torch
 
 import kernels as K
 import quantize as Q
-import ops
-import sampler
+from gemm import layout
+from layers import ops
+from layers import sampler
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]  # CPU: the interpreter; a GPU machine runs the real kernels
@@ -26,15 +27,15 @@ def make_weight(N, Kdim, seed=0, device="cpu", zero_block=True):
     if zero_block and Kdim >= 32:
         w[0, 16:32] = 0.0
     packed, scale, gs = Q.quantize_weight(w)
-    return K.pack_nvfp4(packed.to(device), scale.to(device), gs.to(device)), (packed, scale, gs)
+    return layout.pack_nvfp4(packed.to(device), scale.to(device), gs.to(device)), (packed, scale, gs)
 
 
 def test_pack_roundtrip_and_reference_dequant():
     for N, Kd in [(3, 16), (80, 144), (130, 272)]:
         w, (packed, scale, gs) = make_weight(N, Kd)
         codes = Q.unpack_codes(packed)
-        assert torch.equal(K.unpack_codes(w)[:N, :Kd], codes.long())
-        assert (K.unpack_codes(w)[N:] == 0).all() and (K.unpack_codes(w)[:, Kd:] == 0).all()
+        assert torch.equal(layout.unpack_codes(w)[:N, :Kd], codes.long())
+        assert (layout.unpack_codes(w)[N:] == 0).all() and (layout.unpack_codes(w)[:, Kd:] == 0).all()
         assert torch.equal(K.dequantize_ref(w), Q.dequantize_weight(packed, scale, gs))
         assert w.words.shape == (-(-Kd // 128), -(-N // 128) * 128, 16)
         assert w.scales.shape == (-(-Kd // 128), -(-N // 128) * 128, 2)
@@ -143,7 +144,7 @@ def test_ws_gemm_matches_reference(M, N, Kd):
     no whole lap of the ring, whole laps only, laps and 1-3 tiles after them), partial token and weight-row tiles,
     bias, each token tile and register budget, K split 2 to 7 ways; the same bits when repeated, and as kernels.py's
     Triton GEMM with the same tile and split."""
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
     w, _ = make_weight(N, Kd, seed=M + N + Kd, device="cuda")
     x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
     if not kernels_ws.usable(x):
@@ -179,7 +180,7 @@ def test_ws_gemm_lora(M, N, Kd, R):
     """kernels_ws's LoRA epilogue term (xa @ B^T on wgmma, once per output tile) against fp32: ranks that are and are
     not multiples of 16 up to 128, partial token and weight-row tiles, each token tile, a bias, K split 1 to 4 (the term
     rides in split 0's partial); and kernels.nvfp4_mm's dispatch with lora= takes the same path."""
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
     w, _ = make_weight(N, Kd, seed=M + R, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(M)
     x = torch.randn(M, Kd, device="cuda", generator=g).to(torch.bfloat16)
@@ -212,7 +213,7 @@ def test_ws_gemm_7b_shapes_bit_for_bit(N, Kd):
     split (64-512 tokens, 64 / 128 / 256-token tiles, partial token tiles, 2-5 stages, 128 / 168 / 255 registers),
     with and without its timer stamps, and meets the fp32 tolerance: the check that caught in-flight wgmma operands
     being overwritten (tests/test_ws_sass.py)."""
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
     w, _ = make_weight(N, Kd, seed=N + Kd, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(N)
     for M, (BM, nreg, S, split) in [(64, (64, 128, 4, 1)), (200, (128, None, 3, 1)), (200, (64, 128, 5, 2)),
@@ -235,7 +236,7 @@ def test_ws_config_is_launchable():
     """Every choice of kernels_ws.ws_config, over the Qwen2.5 / Qwen3 / Llama linear shapes and 33..1023 tokens, is a
     config ws_mm runs: a 64-, 128- or 256-token tile with its register budget and a K split dividing the K tiles,
     and a ring deeper than the default (5 stages) only for 64-token tiles, two programs an SM."""
-    import kernels_ws
+    from gemm import warp_specialized as kernels_ws
     shapes = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (7168, 5120), (5120, 5120), (55296, 5120),
               (5120, 27648), (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (4096, 11008), (2560, 2048)]
     seen = set()
@@ -587,18 +588,18 @@ def test_rope_forward_and_backward_match_reference(device, dtype, heads):
 def test_errors():
     w, (packed, scale, gs) = make_weight(32, 64)
     with pytest.raises(ValueError, match="multiple of 16"):
-        K.pack_nvfp4(torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), gs)
+        layout.pack_nvfp4(torch.zeros(4, 12, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn), gs)
     with pytest.raises(ValueError, match="uint8"):
-        K.pack_nvfp4(packed.float(), scale, gs)
+        layout.pack_nvfp4(packed.float(), scale, gs)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        K.pack_nvfp4(packed, scale.float(), gs)
+        layout.pack_nvfp4(packed, scale.float(), gs)
     with pytest.raises(ValueError, match="expects K = 64"):
         K.nvfp4_linear(torch.zeros(2, 48, dtype=torch.bfloat16), w)
     with pytest.raises(TypeError, match="float tensor"):
         K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.int32), w)
     with pytest.raises(TypeError, match="NVFP4Weight"):
         K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed)
-    bad = K.NVFP4Weight(w.words.repeat_interleave(2, dim=-1)[..., ::2], w.scales, w.global_scale, w.n, w.k)
+    bad = layout.NVFP4Weight(w.words.repeat_interleave(2, dim=-1)[..., ::2], w.scales, w.global_scale, w.n, w.k)
     with pytest.raises(ValueError, match="contiguous"):
         K.nvfp4_linear(torch.zeros(2, 64, dtype=torch.bfloat16), bad)
     with pytest.raises(ValueError, match="bias"):

@@ -1,6 +1,6 @@
 """Which GPUs run what (README): the Hopper-only paths and the portable one that every other GPU takes.
 
-kernels.hopper decides: an sm_90 GPU runs kernels_ws's warp-specialized GEMM and the dequant PTX with sm_90's
+kernels.hopper decides: an sm_90 GPU runs gemm/warp_specialized.py's GEMM and the dequant PTX with sm_90's
 bf16x2 multiply; Ampere, Ada and Blackwell run the Triton kernels alone, with the PTX's multiply done as an fma.
 NANOQERL_PORTABLE=1 (kernels.PORTABLE) sends a Hopper GPU down the portable path, so that it is tested here on an
 H100 (the GPU test) and timed (`python -m bench kernels --parts gemm --portable`). On CPU: the dispatch with a
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import kernels as K
-import kernels_ws
 import quantize as Q
+from gemm import layout
+from gemm import warp_specialized as kernels_ws
 
 CUDA = torch.cuda.is_available()
 
@@ -22,7 +23,7 @@ CUDA = torch.cuda.is_available()
 def make_weight(N, Kdim, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     packed, scale, gs = Q.quantize_weight(torch.randn(N, Kdim, generator=g) * 0.05)
-    return K.pack_nvfp4(packed.to(device), scale.to(device), gs.to(device))
+    return layout.pack_nvfp4(packed.to(device), scale.to(device), gs.to(device))
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def test_dispatch_hopper_and_portable(fake_gpu, monkeypatch, M):
     the switch on, the same capability takes what an Ampere (8, 0) or Ada (8, 9) GPU takes: the Triton kernels,
     the portable PTX."""
     i32 = torch.zeros(1, 1, 16, dtype=torch.int32)
-    w = K.NVFP4Weight(i32, i32, torch.ones(1), 4608, 3584)     # the 7B qkv shape (the dispatch reads n and k)
+    w = layout.NVFP4Weight(i32, i32, torch.ones(1), 4608, 3584)     # the 7B qkv shape (the dispatch reads n and k)
     dev = fake_gpu((9, 0))
     x2 = types.SimpleNamespace(shape=(M, 3584), device=dev)    # M tokens on the faked GPU (the dispatch reads these)
     monkeypatch.setattr(K, "PORTABLE", False)

@@ -1,4 +1,4 @@
-"""pretrain.py, arith.py and the shipped models/arith-cpu: the task and its split, the tokenizer, a short run that
+"""pretrain.py, tasks/arith.py and the shipped models/arith-cpu: the task and its split, the tokenizer, a short run that
 learns, the shipped checkpoint in every client (transformers, model.py, quantize.py + compressed-tensors, peft), its
 sha256 and accuracy band, and bad input. On CPU."""
 import hashlib
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import arith
-import data
+from tasks import arith
+from tasks import data
+from tasks import tokenizer
 import pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +71,7 @@ def test_worked_solutions(a, b, slip, text, value):
     ("\\boxed{1}\n\\boxed{7329}", True, True),  # the last closed box counts
 ])
 def test_strict_checker(response, correct, formatted):
-    assert arith.strict_correct(response, "7329") == (correct, formatted)
+    assert arith.check(response, "7329") == (correct, formatted)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def test_shipped_sha256_and_recipe():
 def test_shipped_tokenizer_chat_template_and_stops(tok):
     assert type(tok).__name__ == "TokenizersBackend"  # our tokenizer.json as saved, not a rebuilt byte-level one
     ids = data.prompt_token_ids(tok, "What is 4738+2591?")
-    assert tok.decode(ids) == pretrain.chat_text("What is 4738+2591?")
+    assert tok.decode(ids) == tokenizer.chat_text("What is 4738+2591?")
     assert tok.convert_ids_to_tokens(ids[-3:]) == ["<|im_start|>", "assistant", "\n"]
     assert [t for t in tok.convert_ids_to_tokens(ids) if t.isdigit()] == list("47382591")  # a digit is a token
     gen = json.loads((SHIPPED / "generation_config.json").read_text())
@@ -103,7 +104,7 @@ def test_unencodable_character_is_a_clear_error(tok):
     with pytest.raises(Exception, match="outside this tokenizer's alphabet"):
         data.prompt_token_ids(tok, "What is 4738 × 2591?")
     with pytest.raises(ValueError, match="cannot encode: '×'"):
-        pretrain.encode_checked(tok, "What is 4738 × 2591?")
+        tokenizer.encode_checked(tok, "What is 4738 × 2591?")
 
 
 def test_shipped_logits_match_model_py(tok):
@@ -185,7 +186,7 @@ def test_pretrain_learns(tmp_path):
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["--preset", "huge"], "unknown preset 'huge'; choose one of: cpu, gpu"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of: cpu, gpu, countdown, stargraph"),
     (["--preset", "cpu"], "--out is required"),
     (["--hidden-size", "100"], "must be a multiple of 16"),
     (["--num-heads", "8"], "must be a whole head size"),
@@ -235,4 +236,5 @@ def test_help_explains_every_flag(capsys):
     text = capsys.readouterr().out
     for f in pretrain.dataclasses.fields(pretrain.Config):
         assert "--" + f.name.replace("_", "-") in text
-    assert "[cpu: 1200, gpu: 3000]" in text  # preset-driven flags name the presets' values
+    # preset-driven flags name the presets' values
+    assert "[cpu: 1200, gpu: 3000, countdown: 4000, stargraph: 4000]" in " ".join(text.split())

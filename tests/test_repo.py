@@ -61,6 +61,12 @@ def test_every_readme_command_names_what_exists():
             assert f'"{what}"' in bench_main, f"README runs python -m bench {what}: no such subcommand"
             sources = [bench_main] + ([(ROOT / own[what]).read_text()] if what in own else [])
             flags = [w.split("=")[0] for w in rest[1:] if w.startswith("--")]
+        elif "-m" in words and words[words.index("-m") + 1] not in ("pytest", "torch.distributed.run"):
+            module = words[words.index("-m") + 1]                          # python -m tasks.data ...
+            path = ROOT / (module.replace(".", "/") + ".py")
+            assert path.exists(), f"README runs python -m {module}, which is not in the repository"
+            sources = [path.read_text()]
+            flags = [w.split("=")[0] for w in words[words.index(module) + 1:] if w.startswith("--")]
         else:
             scripts = [w for w in words if re.fullmatch(r"[\w./-]+\.(py|sh)", w)]
             for script in scripts:
@@ -69,8 +75,8 @@ def test_every_readme_command_names_what_exists():
                 continue
             script = scripts[0]
             sources = [(ROOT / script).read_text()]
-            if "train_config" in sources[0]:         # train.py's flags (the ablation passes them on)
-                sources.append((ROOT / "train_config.py").read_text())
+            if "trainer.config" in sources[0]:        # train.py's flags (the ablation passes them on)
+                sources.append((ROOT / "trainer/config.py").read_text())
             flags = [w.split("=")[0] for w in words[words.index(script) + 1:] if w.startswith("--")]
         for flag in flags:
             assert flag_known(flag, sources), f"README passes {flag} in: {cmd}"

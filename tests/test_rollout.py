@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import eval as E
+import kernels
 import lora
 import model as M
 import noise
@@ -126,16 +127,14 @@ def test_batches_larger_than_max_batch(models):
     assert len(out) == 6 and all(s.tokens == M.greedy(models["fp32"], PROMPTS[s.prompt_idx], 5) for s in out)
 
 
-def test_aqn_noise_and_lora_are_read_in_place(models):
+def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     m = models["nvfp4"]
     eng = R.Engine(m, max_batch=8, max_len=64)
     clean = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)
-    noise.apply(m, 0.5, torch.Generator().manual_seed(0))
-    noisy = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)
-    user = m.noise
+    z = noise.draw(m, 0.5, torch.Generator().manual_seed(0))
+    noisy = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5, noise=z)
     assert [s.logprobs for s in clean] != [s.logprobs for s in noisy]
-    assert m.noise is user  # the engine restores the caller's noise
-    noise.clear(m)
+    # the noise lives in the call: the next call without it is the clean policy again
     assert [s.logprobs for s in eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)] == \
         [s.logprobs for s in clean]
     params = lora.add_lora(m, rank=4, alpha=8)
@@ -163,7 +162,7 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
     """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU): generation adds the
     adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with torch ops. Greedy tokens must be
     argmaxes of the trainer's logits (up to near ties) and the engine's logprobs equal the trainer's log-softmax."""
-    monkeypatch.setattr(M.kernels, "CPU_TRITON", True)
+    monkeypatch.setattr(kernels, "CPU_TRITON", True)
     Q.quantize_checkpoint(str(make_checkpoint("qwen2", dtype=torch.float32)), str(tmp_path / "q"), progress=False)
     m = M.Model.from_pretrained(tmp_path / "q", DEV, torch.bfloat16)
     params = lora.add_lora(m, rank=4, alpha=8)
@@ -171,7 +170,7 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
         for p in params[1::2]:
             p.normal_(0, 0.5)
     calls = []
-    monkeypatch.setattr(R.M.kernels, "nvfp4_mm",
+    monkeypatch.setattr(kernels, "nvfp4_mm",
                         lambda *a, **k: calls.append((k.get("lora") is not None, k.get("gated", 0))) or K_mm(*a, **k))
     eng = R.Engine(m, max_batch=4, max_len=64)
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
@@ -182,7 +181,7 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
         assert torch.allclose(torch.tensor(s.logprobs), ref, atol=0.05), (s.logprobs, ref)
 
 
-K_mm = M.kernels.nvfp4_mm
+K_mm = kernels.nvfp4_mm
 
 
 def test_bad_input(models):

@@ -39,7 +39,7 @@ def assert_one_line_error(rc, err, *needles):
 @pytest.fixture(scope="module")
 def broken_models(tmp_path_factory):
     """A checkpoint with a truncated safetensors file, and one with a malformed config.json."""
-    import tiny
+    from util import tiny
 
     root = tmp_path_factory.mktemp("broken")
     good = tiny.save_tiny_checkpoint(root / "good", "qwen2")

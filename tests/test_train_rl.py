@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import grpo
-import ppo
 import rollout
-import tiny
+from util import tiny
 import train
 from test_train import run
-from train_config import Config, Stop
+from trainer import prepare
+from trainer.config import Config, Stop
+from trainer.schedule import lr_factor
 
 
 # ----------------------------------------------------------------------------- dynamic sampling
@@ -37,7 +38,7 @@ def test_dynamic_sampling_judges_groups_by_accuracy_not_shaped_reward():
     cfg = Config(prompts_per_step=1, group_size=8, max_new_tokens=n_long + 1, format_weight=0.0)
     p = grpo.apply_preset("dapo", dict(max_sample_rounds=1))  # overlong window: the last quarter
     rows = [dict(question="What is the lucky digit?", gold="7", kind="gsm8k")]
-    batch, seen, _ = train.sample_batch(cfg, p, 0, engine, tok, rows, stops=[])
+    batch, seen, _ = train.sample_batch(cfg, p, 0, engine, tok, rows, stops=[], z=None)
     rewards = seen[0]["rewards"]
     assert rewards[-1] < rewards[0] == 1.0        # the overlong penalty made the rewards unequal...
     assert grpo.dynamic_sampling_keep(rewards[None]).item()  # ...so a filter on the reward keeps the group
@@ -131,7 +132,7 @@ def test_lr_schedule_matches_transformers(schedule):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = make(opt, 3, 20)
     for i in range(20):
-        assert ppo.lr_factor(i, 20, 3, schedule) == pytest.approx(sched.get_last_lr()[0], abs=1e-9), i
+        assert lr_factor(i, 20, 3, schedule) == pytest.approx(sched.get_last_lr()[0], abs=1e-9), i
         opt.step()
         sched.step()
 
@@ -154,17 +155,17 @@ def gsm8k_file(tmp_path, n):
 
 def test_eval_rows_are_never_training_rows(tmp_path):
     cfg = Config(task="gsm8k_train", data=gsm8k_file(tmp_path, 40), eval_limit=8)
-    rows, eval_rows = train.load_data(cfg)
+    rows, eval_rows = prepare.load_data(cfg)
     assert len(eval_rows) == 8 and len(rows) == 32
     assert not {r["index"] for r in rows} & {r["index"] for r in eval_rows}
     with pytest.raises(Stop, match="fewer than 2 x --eval-limit"):
-        train.load_data(Config(task="gsm8k_train", data=gsm8k_file(tmp_path, 12), eval_limit=8))
+        prepare.load_data(Config(task="gsm8k_train", data=gsm8k_file(tmp_path, 12), eval_limit=8))
 
 
 def test_skipped_rows_are_counted(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     good = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
     path.write_text("".join(json.dumps(r) + "\n" for r in good + [{"question": "q", "answer": "no gold"}]))
-    train.load_data(Config(task="gsm8k_train", data=str(path), eval_limit=4))
+    prepare.load_data(Config(task="gsm8k_train", data=str(path), eval_limit=4))
     assert "20 usable rows of 21 read" in capsys.readouterr().out
 

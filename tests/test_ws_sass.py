@@ -1,4 +1,4 @@
-"""kernels_ws's wgmma pipeline, checked in the machine code (runs on CPU: Triton compiles for sm_90a offline).
+"""gemm/warp_specialized.py's wgmma pipeline, checked in the machine code (runs on CPU: Triton compiles for sm_90a offline).
 
 A wgmma whose A operand (the dequantized weights) comes from registers reads those registers while it is in flight,
 until a wait retires it. ptxas does not carry that through a loop back-edge: an earlier version kept wgmmas in flight
@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-import kernels_ws as W
+from gemm import warp_specialized as W
 
 if W.gluon is None:
     pytest.skip("needs Triton's Gluon", allow_module_level=True)

@@ -18,11 +18,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-import data  # noqa: E402
+from tasks import data, rewards  # noqa: E402
 import model as M  # noqa: E402
 import quantize  # noqa: E402
 import rollout  # noqa: E402
-import rollout_vllm as RV  # noqa: E402
+from vllm_backend import engine as RV  # noqa: E402
 
 
 def main():
@@ -46,7 +46,7 @@ def main():
     same = [x.tokens == y.tokens for x, y in zip(o, b)]
     gap = max((abs(a - c) for x, y, s in zip(o, b, same) if s for a, c in zip(x.logprobs, y.logprobs)), default=0.0)
     texts = [tok.decode(x.tokens, skip_special_tokens=True) for x in o]
-    acc = sum(data.score(t, r["gold"], "gsm8k")["correct"] for t, r in zip(texts, rows))
+    acc = sum(rewards.score(t, r["gold"], "gsm8k")["correct"] for t, r in zip(texts, rows))
     print(f"vLLM vs built-in on models/arith-cpu (NVFP4, {dtype}, {dev}): {sum(same)}/16 greedy completions "
           f"identical, max log-prob gap {gap:.2e}, vLLM greedy accuracy {acc}/16")
     print(repr(texts[0]))

@@ -1,7 +1,7 @@
 """tiny.py: tiny random checkpoints of the real architectures, for the tests and train.py's
 built-in default.
 
-    python tiny.py runs/tiny-qwen2 [--arch qwen3]   # a tiny random HF checkpoint, Qwen2.5 tokenizer
+    python -m util.tiny runs/tiny-qwen2 [--arch qwen3]   # a tiny random HF checkpoint
 
 `build_tiny_hf` makes a transformers model of a real architecture (Qwen2, Qwen3, Llama) at hidden
 size 64 with random weights, norm weights and biases; `save_tiny_checkpoint` writes it as an HF
@@ -9,6 +9,10 @@ folder; `tiny_model_dir` is the built-in model of `python train.py`: a tiny Qwen
 supervised warm-up on the answer format with random digits (cached under runs/.cache, or
 $NANOQERL_CACHE). Leaves out: pretrained weights of any kind.
 """
+if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
+    from util import versions  # checked before torch loads: a missing or wrong one is one line
+    versions.check_or_exit()
+
 import argparse
 import json
 import os
@@ -17,16 +21,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-import data  # noqa: E402
-import fsutil  # noqa: E402
+from tasks import data
+from util import fsutil
 
 
-TOKENIZER_DIR = Path(__file__).resolve().parent / "tests" / "assets" / "qwen2.5-tokenizer"
+TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tests" / "assets" / "qwen2.5-tokenizer"
 TINY_VOCAB = 151936  # the Qwen2.5 embedding size (the tokenizer has 151665 tokens)
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=2, num_key_value_heads=1)
@@ -95,7 +96,7 @@ def copy_tokenizer(path: Path) -> None:
 def tiny_model_dir(seed: int = 0) -> Path:
     """train.py's built-in model: a tiny Qwen2 warmed up on the answer format, built once and
     cached (atomically)."""
-    default_cache = Path(__file__).resolve().parent / "runs" / ".cache"
+    default_cache = Path(__file__).resolve().parent.parent / "runs" / ".cache"
     cache = Path(os.environ.get("NANOQERL_CACHE", default_cache))
     out = cache / f"tiny-synthetic-{seed}"
     if (out / "config.json").exists():

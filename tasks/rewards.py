@@ -1,7 +1,7 @@
 """rewards.py: answer extraction and fail-closed scoring, shared by training (train.py) and
 evaluation (eval.py).
 
-    python data.py --task gsm8k --check   # score '\\boxed{gold}' against each gold (1.0: all parse)
+    python -m tasks.data --task gsm8k --check   # score '\\boxed{gold}' against each gold
 
 Fail-closed: only a closed answer in the asked-for form earns accuracy credit, and score() says
 "parse_failed" when there is none, so callers can count it.
@@ -16,6 +16,9 @@ Fail-closed: only a closed answer in the asked-for form earns accuracy credit, a
     variables, times ("10:30"), lists and irrationals are parse failures.
   - MATH-style ("math" kind): equivalence by math-verify (fractions, LaTeX, intervals) with a
     timeout.
+  - The generated tasks whose answer is a piece of work, not a value ("countdown": a derivation,
+    "stargraph": a path; fmt "boxed" only): their own checker (CHECKED) verifies the work, and the
+    gold is the instance it is checked against.
   - Format and accuracy rewards are separate, each with its own weight.
 
 Left out
@@ -34,6 +37,8 @@ import threading
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
+from tasks import countdown, stargraph
+
 try:
     import math_verify
     from sympy import Basic, Float, Rational
@@ -42,6 +47,9 @@ except ImportError:  # scoring falls back to normalised string equality
     math_verify = None
 
 FORMATS = ("boxed", "think")
+# kind -> the module whose check(response, gold) -> (correct, formatted) judges the whole answer
+CHECKED = {"countdown": countdown, "stargraph": stargraph}
+KINDS = ("gsm8k", "math") + tuple(CHECKED)
 
 
 # ----------------------------------------------------------------------------- answer extraction
@@ -221,10 +229,10 @@ def extract_answer(response: str, kind: str, fmt: str = "boxed",
     the prose, an unclosed box of a truncated response, a box in <think>, earn nothing.
     kind "gsm8k": the number in it by _gsm8k_number, else None. kind "math": the text as LaTeX.
     """
-    if kind not in ("gsm8k", "math"):
-        raise ValueError(f"unknown answer kind {kind!r}; choose 'gsm8k' or 'math'")
+    if kind not in KINDS:
+        raise ValueError(f"unknown answer kind {kind!r}; choose one of: {', '.join(KINDS)}")
     text = _answer_text(response, fmt)
-    if text is None or kind == "math":
+    if text is None or kind != "gsm8k":
         return text
     return _gsm8k_number(text, timeout_s)
 
@@ -236,8 +244,12 @@ def parse_gold(answer_field, kind: str) -> str | None:
     number; "math": the answer string as is; ints and floats from JSON become numbers
     (AMC 27.0 -> '27').
     """
-    if kind not in ("gsm8k", "number", "math"):
-        raise ValueError(f"unknown gold kind {kind!r}; choose 'gsm8k', 'number' or 'math'")
+    golds = ("gsm8k", "number", "math") + tuple(CHECKED)
+    if kind not in golds:
+        raise ValueError(f"unknown gold kind {kind!r}; choose one of: {', '.join(golds)}")
+    if kind in CHECKED:   # the instance the answer is checked against, as its module writes it
+        ok = isinstance(answer_field, str) and CHECKED[kind].parse_gold(answer_field) is not None
+        return answer_field if ok else None
     # bool is an int subclass; a JSON true is no number
     if isinstance(answer_field, (int, float)) and not isinstance(answer_field, bool):
         return normalize_number(repr(answer_field))
@@ -369,7 +381,11 @@ def score(response: str, gold: str | None, kind: str, fmt: str = "boxed",
     correct = False
     parse_failed = gold is None or pred is None
 
-    if not parse_failed and kind == "gsm8k":
+    if kind in CHECKED:
+        if fmt != "boxed":
+            raise ValueError(f"answers of kind {kind!r} are read from \\boxed{{}} only (fmt boxed)")
+        correct, _ = CHECKED[kind].check(response, gold) if gold is not None else (False, False)
+    elif not parse_failed and kind == "gsm8k":
         gold_num = normalize_number(gold)
         parse_failed = gold_num is None
         # Fraction compares exactly: pred may be '1/3', '0.33' is not equal to it

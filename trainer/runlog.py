@@ -41,33 +41,6 @@ PANELS = [
 ]
 
 
-def merge_stats(parts: list[dict]) -> dict:
-    """One minibatch's metrics from its micro-batches' (grpo.policy_loss stats, each with "tokens"):
-    the loss is their sum (each was normalised by the minibatch's global counts), keys ending in
-    _max take the max, and the other means are weighted by their micro-batch's tokens."""
-    tokens = sum(s["tokens"] for s in parts)
-    out = {"loss": sum(s["loss"] for s in parts)}
-    for k in parts[0]:
-        if k in ("loss", "tokens"):
-            continue
-        if k.endswith("_max"):
-            out[k] = max(s[k] for s in parts)
-        else:
-            out[k] = sum(s[k] * s["tokens"] for s in parts) / max(tokens, 1.0)
-    return out
-
-
-def mean_over_minibatches(stats: list[dict]) -> dict:
-    """A step's metrics from its minibatches': means, except maxima for keys ending in _max."""
-    out = {}
-    for k in stats[0]:
-        if k.endswith("_max"):
-            out[k] = max(s[k] for s in stats)
-        else:
-            out[k] = sum(s[k] for s in stats) / len(stats)
-    return out
-
-
 def read(run: Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
     if not path.exists():
@@ -78,7 +51,7 @@ def read(run: Path) -> list[dict]:
 def truncate(run: Path, start: int) -> None:
     """Keep only the rows of steps before `start` (a resume replays the steps after its
     checkpoint)."""
-    import fsutil
+    from util import fsutil
 
     rows = [r for r in read(run) if r.get("step", 0) < start]
     text = "".join(json.dumps(r) + "\n" for r in rows)

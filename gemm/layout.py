@@ -1,4 +1,4 @@
-"""layout.py: the kernel layout of an NVFP4 weight (what kernels.py and kernels_ws.py read), built once at load.
+"""layout.py: the kernel layout of an NVFP4 weight (what kernels.py and warp_specialized.py read), built once at load.
 
     pack_nvfp4(weight_packed, weight_scale, weight_global_scale) -> NVFP4Weight   checkpoint -> kernel words
     unpack_codes(w)                                                               and back (for the references)
@@ -88,7 +88,7 @@ def unpack_codes(w: NVFP4Weight) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What both GEMMs share (kernels.py's Triton kernels, kernels_ws.py's Gluon one), here so that neither imports the
+# What both GEMMs share (kernels.py's Triton kernels, warp_specialized.py's Gluon one), here so that neither imports the
 # other for it: the PTX that turns words into bf16, the LoRA epilogue's operands and the split-K workspace.
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"   # Triton's CPU interpreter: it runs no PTX and no Gluon

@@ -8,12 +8,9 @@
 rollout.py draws the noise e (one random stream per sample) and calls race_sample on CUDA.
 Leaves out: top-k / top-p inside the kernel (rollout.py masks the logits before it).
 """
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-from kernels import _use_triton, triton  # noqa: E402
+from kernels import _use_triton, triton
 
 if triton is not None:
     import triton.language as tl

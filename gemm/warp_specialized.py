@@ -1,4 +1,4 @@
-"""kernels_ws.py: the warp-specialized NVFP4 x bf16 GEMM for Hopper, written in Gluon (Triton's dialect with explicit
+"""warp_specialized.py: the warp-specialized NVFP4 x bf16 GEMM for Hopper, written in Gluon (Triton's dialect with explicit
 layouts, shared memory, mbarriers and warp partitions). kernels.nvfp4_mm calls it for 33..1023 tokens on an H100
 (where ws_config says it wins).
 
@@ -76,7 +76,7 @@ import functools
 
 import torch
 
-from layout import INTERPRET, NVFP4Weight, bits_ptx, lora_args, scale_ptx, workspace
+from gemm.layout import INTERPRET, NVFP4Weight, bits_ptx, lora_args, scale_ptx, workspace
 
 try:
     from triton.experimental import gluon

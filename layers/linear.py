@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from ops import silu_mul
+from gemm import layout
+from layers.ops import silu_mul
 
 
 def group_ab(lins, pads, dtype):
@@ -66,7 +67,7 @@ def add_term(y, x, ab):
 
 class Linear(nn.Module):
     """A frozen base linear, bf16 (`weight`) or NVFP4 (`words`, `scales`, `global_scale`, see
-    kernels.pack_nvfp4), plus an optional LoRA adapter that lora.py attaches (`lora_A` (r, in),
+    layout.pack_nvfp4), plus an optional LoRA adapter that lora.py attaches (`lora_A` (r, in),
     `lora_B` (out, r), `lora_scale`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -80,8 +81,8 @@ class Linear(nn.Module):
         # the engine's generation snapshot of the adapter (lora.snapshot), set only while generating
         self.snap = None
 
-    def qweight(self) -> kernels.NVFP4Weight:
-        return kernels.NVFP4Weight(self.words, self.scales, self.global_scale,
+    def qweight(self) -> layout.NVFP4Weight:
+        return layout.NVFP4Weight(self.words, self.scales, self.global_scale,
                                    self.out_features, self.in_features)
 
     def forward(self, x):
@@ -174,7 +175,7 @@ class Fused(nn.Module):
     def qw(self):
         if self.words is None:
             return None
-        return kernels.NVFP4Weight(self.words, self.scales, self.global_scale,
+        return layout.NVFP4Weight(self.words, self.scales, self.global_scale,
                                    self.n, self.in_features)
 
     def forward(self, x, lins, raw: bool = False):

@@ -14,12 +14,9 @@ Default and llama3 rope types only; no partial rotary, no NTK / YaRN scaling. Us
 """
 import math
 
-import versions
+import torch
 
-versions.check()
-import torch  # noqa: E402
-
-from kernels import _use_triton, triton  # noqa: E402
+from kernels import _use_triton, triton
 
 if triton is not None:
     import triton.language as tl
@@ -129,7 +126,6 @@ def rope(x, cos, sin):
             and x.dtype == cos.dtype and not cos.requires_grad):
         return apply_rope(x, cos, sin)
     return _Rope.apply(x, cos, sin)
-
 
 
 def rope_cache_ref(q, k, v, cos, sin, cache_k, cache_v, slots):

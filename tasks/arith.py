@@ -120,6 +120,14 @@ def task_rows(task: str, limit: int | None, seed: int | None) -> list[dict]:
     return rows(n, seed or 0, split)
 
 
+def corpus_example(rng: random.Random, split: str = "train", digits: int = DEFAULT_DIGITS,
+                   slip: float = 0.0) -> tuple[str, str]:
+    """One fresh pretraining example: (question, worked solution), the solution slipping each
+    owed carry with probability `slip`."""
+    a, b = sample_pair(rng, digits, split)
+    return question(a, b), solution(a, b, rng, slip)[0]
+
+
 def boxed_answer(response: str) -> str | None:
     """The content of the last complete, closed \\boxed{...} (no nested braces in this task), else
     None."""
@@ -132,9 +140,10 @@ def boxed_answer(response: str) -> str | None:
     return None
 
 
-def strict_correct(response: str, gold: str) -> tuple[bool, bool]:
+def check(response: str, gold: str) -> tuple[bool, bool]:
     """(correct, formatted): formatted means a complete closed \\boxed{...}; correct needs exactly
-    the gold digits."""
+    the gold digits (pretrain.py's strict checker; train.py scores with rewards.py's number
+    scorer, which also reads "7,329")."""
     got = boxed_answer(response)
     return got is not None and got == str(gold), got is not None
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import fsutil
+from util import fsutil
 import lora
 
 

@@ -1,4 +1,4 @@
-"""train_config.py: train.py's one flat config, its command line, and the checks that run before
+"""config.py: train.py's one flat config, its command line, and the checks that run before
 anything is written.
 
     python train.py --help                        # every flag, with its default and what it does
@@ -13,7 +13,6 @@ Leaves out: config files (the flags and the saved config.json are the whole stor
 """
 import argparse
 import dataclasses
-import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass, field
@@ -21,17 +20,10 @@ from pathlib import Path
 
 import torch
 
-import data
-import eval as evaluation
 import grpo
 import noise
-
-
-def seeded(cfg, *keys) -> int:
-    """A seed derived from (seed, keys), stable across processes (so --resume replays the draws)."""
-    # sha256, not hash(): Python salts hash() per process. 15 hex digits: 60 bits, a valid seed
-    digest = hashlib.sha256(repr((cfg.seed,) + keys).encode()).hexdigest()
-    return int(digest[:15], 16)
+import vllm_backend
+from tasks import data
 
 
 def opt(default, help, **kw):
@@ -53,7 +45,7 @@ class Config:
     base: str = opt("nvfp4", "base precision: nvfp4 (a bf16 checkpoint is quantized while loading) "
                              "or bf16")
     task: str = opt(None, f"training data: {', '.join(data.TASKS)} (default: the model's, see "
-                          "train_config.py model_defaults)")
+                          "trainer/config.py model_defaults)")
     data: str = opt(None, "JSONL path (or hub name) with the rows of --task; needs --task")
     fmt: str = opt("boxed", "answer format: boxed or think")
     steps: int = opt(None, "RL steps (default: the model's)")
@@ -174,7 +166,7 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, set]:
 # small model (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy
 # accuracy from ~0.16 within minutes on a CPU. The tiny random model: the lucky-digit plumbing
 # task. Anything else: QeRL's GSM8K recipe.
-SHIPPED = Path(__file__).resolve().parent / "models" / "arith-cpu"
+SHIPPED = Path(__file__).resolve().parent.parent / "models" / "arith-cpu"
 # max_new_tokens 80 for the addition task: its longest solution is about 57 tokens, and DAPO's
 # overlong penalty covers the last quarter of the limit (with 60 it paid the model to drop its
 # "+1" tokens).
@@ -262,5 +254,5 @@ def check_config(cfg: Config) -> dict:
         raise Stop(f"--device {cfg.device}: this machine has no CUDA GPU that torch can use; "
                    "leave --device out (or --device cpu)")
     if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise Stop(evaluation.VLLM_MISSING)
+        raise Stop(vllm_backend.MISSING)
     return p

@@ -13,13 +13,12 @@ What it does
   - stop_token_ids(): the token ids that end a reply, from the model folder's
     generation_config.json and the tokenizer (eos and the chat template's end-of-turn token), so
     that generation stops on any chat model.
-  - Re-exports rewards.py's score / extract_answer / format_ok / parse_gold / math_equal /
-    summarize, so that callers read `data.score(...)` next to `data.load_rows(...)`.
+  - Answers and rewards are rewards.py's (callers use rewards.score).
 
 Run it
-  python data.py --task gsm8k --limit 3                  # show rows and stats
-  python data.py --task math500 --check                  # score each gold against itself (sanity)
-  python data.py --task math12k --data PATH --tokenizer DIR --fmt think --limit 2
+  python -m tasks.data --task gsm8k --limit 3                  # show rows and stats
+  python -m tasks.data --task math500 --check                  # score each gold against itself (sanity)
+  python -m tasks.data --task math12k --data PATH --tokenizer DIR --fmt think --limit 2
 
 Left out: streaming datasets too large for memory, and dataset mixtures (pass one task at a time).
 """
@@ -32,11 +31,11 @@ import os
 import random
 import re
 
-import arith
-from rewards import (FORMATS, extract_answer, format_ok, math_equal, normalize_number,  # noqa: F401
-                     parse_gold, score, summarize)
+from tasks import arith, countdown, stargraph
+from tasks.rewards import FORMATS, parse_gold, score, summarize
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# the repository root, whose data/ folder holds the bundled datasets
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bundled(name: str) -> str:
@@ -79,6 +78,13 @@ TASKS.update({
                answer="answer", gold="number", kind="gsm8k", split=split)
     for name, split in arith.TASKS.items()
 })
+# Countdown and star-graph paths (countdown.py, stargraph.py): the gold is the instance, and the
+# task's own checker verifies the derivation or the path (rewards.CHECKED)
+GENERATED = {"countdown": countdown, "stargraph": stargraph}
+for kind, module in GENERATED.items():
+    TASKS.update({name: dict(path=None, question=("question",), answer="answer", gold=kind,
+                             kind=kind, split=spec[0])
+                  for name, spec in module.TASKS.items()})
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 THINK_SYSTEM_PROMPT = (
@@ -173,7 +179,8 @@ def _read_hub(name: str, split: str | None) -> list[dict]:
 def is_generated(task: str) -> bool:
     """True for a task whose rows are generated in code (it reads no file, so --data means nothing
     to it)."""
-    return task.startswith("synthetic") or task in arith.TASKS
+    generated = [arith.TASKS] + [module.TASKS for module in GENERATED.values()]
+    return task.startswith("synthetic") or any(task in names for names in generated)
 
 
 def load_rows(task: str, path: str | None = None, limit: int | None = None,
@@ -195,9 +202,10 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
         n = limit if limit is not None else 1000
         kind = {"synthetic": "lucky"}.get(task, task[10:])   # "synthetic_copy" -> "copy"
         raw = synthetic_rows(n, seed or 0, kind)
-    elif task in arith.TASKS:  # generated; `path` is not used
+    elif is_generated(task):  # generated; `path` is not used
         source = task
-        raw = arith.task_rows(task, limit, seed)
+        module = next((m for m in GENERATED.values() if task in m.TASKS), arith)
+        raw = module.task_rows(task, limit, seed)
     else:
         source = path or spec["path"]
         if source is None:

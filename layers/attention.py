@@ -19,12 +19,12 @@ import math
 import torch
 
 from kernels import INTERPRET, _use_triton, triton
-from ops import rope_cache
+from layers.ops import rope_cache
 
 if triton is not None:
     import triton.language as tl
 
-    from ops import _rotate
+    from layers.ops import _rotate
 
 
 def decode_attention_ref(q, k, v, valid, scale: float):

@@ -1,10 +1,10 @@
-"""train_setup.py: what train.py does before and around its RL steps: load the data and the policy,
+"""prepare.py: what train.py does before and around its RL steps: load the data and the policy,
 build the rollout engine, evaluate on the held-out rows, and open (or resume) the run folder.
 
     python train.py --algo dapo        # runs these functions; this file has no command of its own
 
-Every check raises train_config.Stop with a one-line message, so that train.py can refuse a bad
-set-up before it writes anything. Under torchrun (dist.py) every rank runs all of it; rank 0 alone
+Every check raises trainer/config.Stop with a one-line message, so that train.py can refuse a bad
+set-up before it writes anything. Under torchrun (util/dist.py) every rank runs all of it; rank 0 alone
 writes (write_run), and only once every rank's set-up has worked.
 """
 import dataclasses
@@ -13,17 +13,13 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
-import data
-import dist
 import eval as evaluation
-import fsutil
 import model as M
-import noise
 import quantize
-import runlog
-import tiny
-from train_config import Config, Stop
+from tasks import data
+from trainer import checkpoint, runlog
+from trainer.config import Config, Stop
+from util import dist, fsutil, tiny
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,10 +106,8 @@ def make_engine(cfg: Config, model, model_dir: str, dev, max_len: int, ctx=dist.
 def evaluate(cfg, model, engine, tok, rows, stops, run, step, ctx=dist.SINGLE) -> dict:
     """Greedy accuracy of the current policy without AQN noise (vLLM: woken, adapter synced).
     Under torchrun the rows are split over the ranks, and rank 0 writes the merged samples."""
-    noise.clear(model)                                   # held-out accuracy is the clean policy's
-    if cfg.engine == "vllm":
+    if cfg.engine == "vllm":                             # no noise: the clean policy's accuracy
         engine.wake()
-        engine.set_noise(None)
         if step > 0:
             engine.sync_lora(model)
     s = evaluation.evaluate(engine, tok, rows, n=1, temperature=0.0,

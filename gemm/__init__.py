@@ -1,0 +1,2 @@
+"""gemm/: the insides of kernels.py's NVFP4 GEMM: the kernel layout of a weight (layout.py) and the
+warp-specialized Gluon GEMM that Hopper runs at 33-1023 tokens (warp_specialized.py)."""
