@@ -189,12 +189,15 @@ def reward_curve(run: Path) -> dict | None:
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     steps = {r["step"]: r for r in rows if "reward" in r}
 
+    def values(key, lo, hi):       # a step that dynamic sampling skipped logs no entropy
+        return [steps[s][key] for s in range(lo, hi) if key in steps.get(s, {})]
+
     def mean(key, lo, hi):
-        vals = [steps[s][key] for s in range(lo, hi) if s in steps]
+        vals = values(key, lo, hi)
         return sum(vals) / len(vals) if vals else math.nan
 
     def se(key, lo, hi):
-        vals = [steps[s][key] for s in range(lo, hi) if s in steps]
+        vals = values(key, lo, hi)
         if len(vals) < 2:
             return math.nan
         mu = sum(vals) / len(vals)

@@ -9,6 +9,8 @@
 # graphs of 5 arms. Each runs on GPU i of CUDA_VISIBLE_DEVICES (4 GPUs: one each; fewer: they
 # share). Writes OUT/<name>/ (the model), OUT/<name>.log, OUT/<name>-pilot.json and, for rl,
 # OUT/<name>-rl/ (the ablation folder of the bf16 arm). Rerunning skips what is finished.
+# EXTRA_PRETRAIN, EXTRA_PILOT and EXTRA_RL add flags to pretrain.py, pilot.py and the RL runs (a
+# CPU smoke test shrinks everything with them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,13 +31,14 @@ one() {                                   # one candidate on one GPU
   local i=$1 name=${names[$1]} task=${tasks[$1]}
   export CUDA_VISIBLE_DEVICES=$((i % gpus))
   if [ "$phase" = pretrain ]; then
-    [ -f "$out/$name/recipe.json" ] || $PY pretrain.py ${flags[$i]} --out "$out/$name"
+    [ -f "$out/$name/recipe.json" ] || $PY pretrain.py ${flags[$i]} --out "$out/$name" \
+      ${EXTRA_PRETRAIN:-}
     $PY experiments/pilot.py --model "$out/$name" --task "${task}_test" \
-      --out "$out/$name-pilot.json"
+      --out "$out/$name-pilot.json" ${EXTRA_PILOT:-}
   else
     $PY experiments/qerl_ablation.py --out "$out/$name-rl" --arms bf16 --seeds 0 \
       --lrs 1e-4,3e-4,1e-3 --procs-per-gpu 3 --pass-k-n 8 --entropy-samples 4 \
-      --model "$out/$name" --task "$task" --eval-task "${task}_test" "${RL[@]}"
+      --model "$out/$name" --task "$task" --eval-task "${task}_test" "${RL[@]}" ${EXTRA_RL:-}
     $PY experiments/pilot.py --model "$out/$name" --task "${task}_test" \
       --static-from "$out/$name-pilot.json" --out "$out/$name-pilot.json" \
       --runs "$out/$name-rl"/runs/*
