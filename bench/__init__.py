@@ -1,2 +1,2 @@
-"""The benchmarks behind the speed numbers: run `python -m bench --help` from the repository root (bench/__main__.py
-says which file measures what)."""
+"""The benchmarks behind the speed numbers: run `python -m bench --help` from the repository root
+(bench/__main__.py says which file measures what)."""

@@ -1,8 +1,10 @@
-"""bench/common.py: what every benchmark shares: the linear shapes, CUDA-graph timing, random NVFP4 weights and
-random Qwen2.5-shaped models (no subcommand of its own; the others import it, never the entry point).
+"""bench/common.py: what every benchmark shares: the linear shapes, CUDA-graph timing, random NVFP4
+weights and random Qwen2.5-shaped models (no subcommand of its own; the others import it, never the
+entry point).
 
-Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two sides of a ratio
-replayed in turn (paired_us); weights rotate over enough copies that every call reads them from HBM, not L2 (50 MB).
+Timing: CUDA graphs of many calls (launch gaps excluded), the median of several replays, the two
+sides of a ratio replayed in turn (paired_us); weights rotate over enough copies that every call
+reads them from HBM, not L2 (50 MB).
 Needs a CUDA GPU.
 """
 import math
@@ -12,8 +14,10 @@ import torch
 
 from gemm import layout
 
-SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-SHAPES_32B = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120), "down": (5120, 27648)}
+SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584),
+             "down": (3584, 18944)}
+SHAPES_32B = {"qkv": (7168, 5120), "o": (5120, 5120), "gate_up": (55296, 5120),
+              "down": (5120, 27648)}
 L2_BYTES = 50 * 2**20
 
 
@@ -23,9 +27,9 @@ def graph_time_us(calls, reps: int = 5, replays: int = 7) -> float:
 
 
 def paired_us(*call_lists, reps: int = 5, replays: int = 7) -> list[float]:
-    """Median microseconds per call of each list of closures, one CUDA graph per list, the graphs replayed in turn
-    (a, b, a, b, ...): a compute-bound GEMM runs at the power limit, whose clock drifts as the GPU warms, so timing
-    one side after the other would favour the first."""
+    """Median microseconds per call of each list of closures, one CUDA graph per list, the graphs
+    replayed in turn (a, b, a, b, ...): a compute-bound GEMM runs at the power limit, whose clock
+    drifts as the GPU warms, so timing one side after the other would favour the first."""
     graphs = []
     for calls in call_lists:
         for f in calls:
@@ -68,25 +72,30 @@ def random_nvfp4(N, K, copies):
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     packed, scale, gs = quantize.quantize_weight(w)
     base = layout.pack_nvfp4(packed, scale, gs.cuda())
-    ws = [base] + [layout.NVFP4Weight(base.words.clone(), base.scales.clone(), base.global_scale.clone(), N, K)
+    ws = [base] + [layout.NVFP4Weight(base.words.clone(), base.scales.clone(),
+                                      base.global_scale.clone(), N, K)
                    for _ in range(copies - 1)]
     return w, ws
 
 
 
-QWEN = {"7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-        "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                    num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)}
+QWEN = {"7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                   num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                   tie_word_embeddings=False),
+        "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                    num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                    tie_word_embeddings=False)}
 
 
 def random_model(size: str, nvfp4: bool):
-    """A Qwen2.5-shaped model.Model with random weights on the GPU (quantized layer by layer when nvfp4)."""
+    """A Qwen2.5-shaped model.Model with random weights on the GPU (quantized layer by layer when
+    nvfp4)."""
     import model as M
     import quantize
 
-    cfg = M.config_from_hf(dict(architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6, rope_theta=1e6,
-                                max_position_embeddings=32768, eos_token_id=151645, **QWEN[size]))
+    cfg = M.config_from_hf(dict(architectures=["Qwen2ForCausalLM"], rms_norm_eps=1e-6,
+                                rope_theta=1e6, max_position_embeddings=32768,
+                                eos_token_id=151645, **QWEN[size]))
     with torch.device("meta"):
         m = M.Model(cfg).to(torch.bfloat16)
     m.to_empty(device="cuda")

@@ -1,5 +1,6 @@
-"""bench/model_speed.py: `python -m bench model | rollout | train` on random weights of the Qwen2.5 shapes: weight
-memory and a forward + backward; tokens/s of the built-in engine (and of transformers generate); one RL step.
+"""bench/model_speed.py: `python -m bench model | rollout | train` on random weights of the Qwen2.5
+shapes: weight memory and a forward + backward; tokens/s of the built-in engine (and of transformers
+generate); one RL step.
 Needs a CUDA GPU.
 """
 import gc
@@ -12,7 +13,8 @@ from bench.common import QWEN, random_model, weight_bytes
 
 
 def bench_model(out: dict, size: str = "7b"):
-    """Weight memory, and a forward + backward over 8 x 1024 tokens with LoRA r32 and checkpointing."""
+    """Weight memory, and a forward + backward over 8 x 1024 tokens with LoRA r32 and
+    checkpointing."""
     import lora
     import model as M
 
@@ -40,15 +42,18 @@ def bench_model(out: dict, size: str = "7b"):
         ms = triton.testing.do_bench(fwd_bwd, warmup=1, rep=3, return_mode="median")
         rows.append(dict(base="nvfp4" if nv else "bf16", weights_GB=wb / 1e9, fwd_bwd_ms=ms,
                          peak_GB=torch.cuda.max_memory_allocated() / 1e9))
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                          for k, v in rows[-1].items()}))
         m = None  # free it before the next base is built
     out["model_" + size] = rows
 
 
-def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256, bases=("nvfp4", "bf16"),
-                  hf: bool = True, lora_rank: int = 0):
-    """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS ignored.
-    lora_rank > 0: a LoRA of that rank on every linear, with random nonzero B (as an RL rollout carries)."""
+def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256,
+                  bases=("nvfp4", "bf16"), hf: bool = True, lora_rank: int = 0):
+    """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS
+    ignored.
+    lora_rank > 0: a LoRA of that rank on every linear, with random nonzero B (as an RL rollout
+    carries)."""
     import lora
     import rollout
 
@@ -59,25 +64,31 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
             lora.add_lora(m, lora_rank, 2.0 * lora_rank, seed=0)
             with torch.no_grad():
                 for p_ in lora.lora_parameters(m):
-                    p_.normal_(0, 0.01)          # nonzero A and B: the LoRA product at its real cost
-        emb = m.model.embed_tokens.weight  # a decode step gathers B rows of it (unless tied: the lm_head reads it all)
-        wb = weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())   # bytes a step reads
+                    p_.normal_(0, 0.01)  # nonzero A and B: the LoRA product at its real cost
+        # a decode step gathers B rows of it (unless tied: the lm_head reads it all)
+        emb = m.model.embed_tokens.weight
+        # bytes a step reads
+        wb = weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())
         for B in batches:
             try:
                 eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
                 prompts = torch.randint(0, 150000, (B, prompt)).tolist()
-                eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])  # compile + capture the graphs
+                # compile + capture the graphs
+                eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 t0 = time.time()
                 outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
                 torch.cuda.synchronize()
                 dt, t0 = time.time() - t0, time.time()
-                eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)   # the prefill alone
+                # the prefill alone
+                eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)
                 torch.cuda.synchronize()
                 dt1, toks = time.time() - t0, sum(len(o.tokens) for o in outs)
-                kv = 2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B * (prompt + new_tokens / 2)
-                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, tok_s=toks / dt, prefill_ms=1e3 * dt1,
+                kv = (2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B
+                      * (prompt + new_tokens / 2))
+                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, tok_s=toks / dt,
+                           prefill_ms=1e3 * dt1,
                            decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
                            roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
                            peak_GB=torch.cuda.max_memory_allocated() / 1e9)
@@ -86,7 +97,8 @@ def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: 
                 row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, oom=True)
             torch.cuda.empty_cache()
             rows.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}))
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in row.items()}))
         del m
         torch.cuda.empty_cache()
     if hf:
@@ -106,24 +118,28 @@ def bench_hf_generate(size, batches, new_tokens, prompt):
         hf.generate(ids[:, :8], max_new_tokens=2, do_sample=True, pad_token_id=0)
         torch.cuda.synchronize()
         t0 = time.time()
-        o = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, pad_token_id=0)
+        o = hf.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
+                        pad_token_id=0)
         torch.cuda.synchronize()
         tok_s = B * (o.shape[1] - prompt) / (time.time() - t0)
         rows.append(dict(size=size, base="transformers-bf16", batch=B, tok_s=tok_s))
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}))
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                          for k, v in rows[-1].items()}))
     del hf
     torch.cuda.empty_cache()
     return rows
 
 
-def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8, prompt_len: int = 256,
-                  new_tokens: int = 512, recompute: bool = True):
-    """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2 minibatch updates."""
+def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8,
+                  prompt_len: int = 256, new_tokens: int = 512, recompute: bool = True):
+    """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2
+    minibatch updates."""
     rows = []
     for base in ("nvfp4", "bf16"):
         try:
             row = rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute)
-        except torch.cuda.OutOfMemoryError:   # e.g. a bf16 32B base (65 GB) with its KV cache and activations
+        except torch.cuda.OutOfMemoryError:
+            # e.g. a bf16 32B base (65 GB) with its KV cache and activations
             row = dict(size=size, base=base, grad_checkpoint=recompute, oom=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -140,7 +156,8 @@ def rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute):
     params = lora.add_lora(m, 32, 64)
     m.grad_checkpoint = recompute
     eng = rollout.Engine(m, max_batch=prompts * group, max_len=prompt_len + new_tokens)
-    return m, torch.optim.AdamW(params, lr=1e-5), eng, torch.randint(0, 150000, (prompts, prompt_len)).tolist()
+    return (m, torch.optim.AdamW(params, lr=1e-5), eng,
+            torch.randint(0, 150000, (prompts, prompt_len)).tolist())
 
 
 def rl_batch(eng, P, group, new_tokens, seed):
@@ -149,18 +166,20 @@ def rl_batch(eng, P, group, new_tokens, seed):
 
     samples = eng.generate(P, n=group, max_new_tokens=new_tokens, stop_token_ids=[], seed=seed)
     groups = [dict(prompt=P[i], samples=samples[i * group:(i + 1) * group]) for i in range(len(P))]
-    return ppo.make_batch(groups, grpo.group_advantages(torch.rand(len(P), group)), torch.device("cuda"))
+    return ppo.make_batch(groups, grpo.group_advantages(torch.rand(len(P), group)),
+                          torch.device("cuda"))
 
 
 def train_half(m, opt_, b):
-    """The trainer's share of an RL step: log-probs of the rollout policy, then 2 minibatch updates (micro-batches
-    of 8)."""
+    """The trainer's share of an RL step: log-probs of the rollout policy, then 2 minibatch updates
+    (micro-batches of 8)."""
     import grpo
     import ppo
 
     S = b["ids"].shape[0]
     with torch.no_grad():
-        old = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0] for c in torch.arange(S, device="cuda").split(8)])
+        old = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0]
+                         for c in torch.arange(S, device="cuda").split(8)])
     m.train()
     for mb in torch.arange(S, device="cuda").chunk(2):
         for c in mb.split(8):
@@ -185,5 +204,5 @@ def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute) -
         train_half(m, opt_, b)
         torch.cuda.synchronize()
         t2 = time.time()
-    return dict(size=size, base=base, grad_checkpoint=recompute, step_s=t2 - t0, rollout_s=t1 - t0, train_s=t2 - t1,
-                peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+    return dict(size=size, base=base, grad_checkpoint=recompute, step_s=t2 - t0, rollout_s=t1 - t0,
+                train_s=t2 - t1, peak_GB=torch.cuda.max_memory_allocated() / 1e9)

@@ -13,7 +13,8 @@ The engines (--engines):
     vllm-nvfp4      vLLM on the NVFP4 folder through its own compressed-tensors path: weights-only
                     NVFP4 is its W4A16 FP4 scheme on the Marlin FP4 kernel (no code of ours:
                     QeRL's rollout)
-    vllm-ours       vLLM with our GEMM and noisy norms (vllm_backend/engine.VLLMEngine), NVFP4 folder
+    vllm-ours       vLLM with our GEMM and noisy norms (vllm_backend/engine.VLLMEngine), NVFP4
+                    folder
     built-in-nvfp4  the built-in engine (rollout.Engine), NVFP4 folder
     built-in-bf16   the built-in engine, bf16 folder
 

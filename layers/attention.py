@@ -1,18 +1,24 @@
-"""attention.py: decode attention over the KV cache (one new token per sequence), a Triton kernel beside its reference.
+"""attention.py: decode attention over the KV cache (one new token per sequence), a Triton kernel
+beside its reference.
 
-    pytest tests/test_attention.py                     # the kernel against the reference (CPU: TRITON_INTERPRET=1)
-    python -m bench kernels --parts attn               # H100: the kernel against torch SDPA at the rollout's sizes
-    python -m bench profile --ab attn --batches 1,16,64  # H100: the engine's decode step with it and with SDPA
+    pytest tests/test_attention.py
+        # the kernel against the reference (CPU: TRITON_INTERPRET=1)
+    python -m bench kernels --parts attn
+        # H100: the kernel against torch SDPA at the rollout's sizes
+    python -m bench profile --ab attn --batches 1,16,64
+        # H100: the engine's decode step with it and with SDPA
 
-A decode step's attention reads every key and value of every sequence once (2 * B * kv_heads * kv * head_dim bf16)
-and little else: a streaming kernel. A program takes one KV head of one sequence, with all the query heads of its
-GQA group as the rows of one tile (padded to 16 for the tensor cores), and one chunk of the keys; where a sequence
-has several chunks (few sequences: more programs to fill the SMs), a second launch merges their softmax partials
-(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. In a decode step the kernel also
-applies RoPE to q and the new key and writes the new key and value to the cache (the program whose chunk holds their
-slot; it counts them from registers), so ops.rope_cache needs no launch of its own. Used by model.py for decode
-steps (one new token a row, with a cache); the prefill and training keep torch SDPA. Leaves out: sliding windows,
-soft-capping, ALiBi; head_dim that is not a power of two and fp32 fall back to the reference.
+A decode step's attention reads every key and value of every sequence once
+(2 * B * kv_heads * kv * head_dim bf16) and little else: a streaming kernel. A program takes one KV
+head of one sequence, with all the query heads of its GQA group as the rows of one tile (padded to
+16 for the tensor cores), and one chunk of the keys; where a sequence has several chunks (few
+sequences: more programs to fill the SMs), a second launch merges their softmax partials
+(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. In a decode
+step the kernel also applies RoPE to q and the new key and writes the new key and value to the cache
+(the program whose chunk holds their slot; it counts them from registers), so ops.rope_cache needs
+no launch of its own. Used by model.py for decode steps (one new token a row, with a cache); the
+prefill and training keep torch SDPA. Leaves out: sliding windows, soft-capping, ALiBi; head_dim
+that is not a power of two and fp32 fall back to the reference.
 """
 import math
 
@@ -28,23 +34,27 @@ if triton is not None:
 
 
 def decode_attention_ref(q, k, v, valid, scale: float):
-    """q (B, HQ, 1, D); k, v (B, HK, S, D) (HQ a multiple of HK); valid (B, S) bool -> (B, HQ, 1, D).
-    Softmax over the valid keys in fp32, as SDPA's math path computes it, cast to q's dtype at the end."""
+    """q (B, HQ, 1, D); k, v (B, HK, S, D) (HQ a multiple of HK); valid (B, S) bool
+    -> (B, HQ, 1, D).
+    Softmax over the valid keys in fp32, as SDPA's math path computes it, cast to q's dtype at the
+    end."""
     B, HQ, _, D = q.shape
     G = HQ // k.shape[1]
-    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)       # (B, HQ, S, D)
-    s = (q.float() @ kf.transpose(-1, -2)) * scale                                      # (B, HQ, 1, S)
+    kf, vf = k.float().repeat_interleave(G, 1), v.float().repeat_interleave(G, 1)  # (B, HQ, S, D)
+    s = (q.float() @ kf.transpose(-1, -2)) * scale                                 # (B, HQ, 1, S)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return (torch.softmax(s, -1) @ vf).to(q.dtype)
 
 
 if triton is not None:
     @triton.jit
-    def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, o_ptr, part_ptr, ml_ptr, S, CHUNK, HK, G, qk_scale,
+    def _decode_attn_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, o_ptr, part_ptr, ml_ptr,
+                            S, CHUNK, HK, G, qk_scale,
                             sqb, sqh, skb, skh, sks, svb, svh, svs, sval, sob, soh,
-                            kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr, sknb, sknh, svnb, svnh, scb,
-                            D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                            F32: tl.constexpr, ROPE: tl.constexpr = False):
+                            kn_ptr, vn_ptr, cos_ptr, sin_ptr, slot_ptr,
+                            sknb, sknh, svnb, svnh, scb,
+                            D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr,
+                            SPLIT: tl.constexpr, F32: tl.constexpr, ROPE: tl.constexpr = False):
         bh, c = tl.program_id(0), tl.program_id(1)        # (sequence, KV head), chunk of the keys
         b, hk = (bh // HK).to(tl.int64), bh % HK
         g, d = tl.arange(0, GP), tl.arange(0, D)
@@ -55,131 +65,157 @@ if triton is not None:
         acc = tl.zeros([GP, D], tl.float32)
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, S)
-        if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's numerics), count the new
-            # key and value from registers (the loop stops before their slot) and write them to the cache after it
+        if ROPE:  # q and the new key arrive unrotated: rotate them here (ops.rope_cache's
+            # numerics), count the new key and value from registers (the loop stops before their
+            # slot) and write them to the cache after it
             dt = q_ptr.dtype.element_ty
             e = tl.arange(0, D // 2)
             cp, sp = cos_ptr + b * scb + e, sin_ptr + b * scb + e
-            c1, c2 = tl.load(cp).to(tl.float32), tl.load(cp + D // 2).to(tl.float32)                   # (D/2,)
+            c1, c2 = tl.load(cp).to(tl.float32), tl.load(cp + D // 2).to(tl.float32)  # (D/2,)
             s1, s2 = tl.load(sp).to(tl.float32), tl.load(sp + D // 2).to(tl.float32)
             qp = q_ptr + b * sqb + hq[:, None] * sqh + e[None, :]
-            q1 = tl.load(qp, mask=(g < G)[:, None], other=0.0).to(tl.float32)                      # (GP, D/2)
+            q1 = tl.load(qp, mask=(g < G)[:, None], other=0.0).to(tl.float32)         # (GP, D/2)
             q2 = tl.load(qp + D // 2, mask=(g < G)[:, None], other=0.0).to(tl.float32)
             q1, q2 = _rotate(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dt, False)
-            q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))         # (GP, D)
+            q = tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (GP, D))  # (GP, D)
             slot = tl.load(slot_ptr)
-            own = (slot >= lo) & (slot < hi)              # this chunk holds the new slot: one program per (b, hk)
-            kp = kn_ptr + b * sknb + hk * sknh + e        # the new key and value: read by that program alone
+            # this chunk holds the new slot: one program per (b, hk)
+            own = (slot >= lo) & (slot < hi)
+            # the new key and value: read by that program alone
+            kp = kn_ptr + b * sknb + hk * sknh + e
             k1, k2 = _rotate(tl.load(kp, mask=own, other=0.0).to(tl.float32),
-                             tl.load(kp + D // 2, mask=own, other=0.0).to(tl.float32), c1, c2, s1, s2, dt, False)
-            vn = tl.load(vn_ptr + b * svnb + hk * svnh + d, mask=own, other=0.0)                    # (D,)
-            hi = tl.minimum(hi, slot)     # the loop reads the keys before the slot: causal, and the new one is here
+                             tl.load(kp + D // 2, mask=own, other=0.0).to(tl.float32),
+                             c1, c2, s1, s2, dt, False)
+            vn = tl.load(vn_ptr + b * svnb + hk * svnh + d, mask=own, other=0.0)      # (D,)
+            # the loop reads the keys before the slot: causal, and the new one is here
+            hi = tl.minimum(hi, slot)
             if own:
-                kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)), (D,)).to(tl.float32)
+                kn = tl.reshape(tl.permute(tl.join(k1.to(dt), k2.to(dt)), (1, 0)),
+                                (D,)).to(tl.float32)
                 if tl.load(valid_ptr + b * sval + slot) != 0:
-                    m_i = tl.sum(q.to(tl.float32) * kn[None, :], 1) * qk_scale                     # (GP,)
+                    m_i = tl.sum(q.to(tl.float32) * kn[None, :], 1) * qk_scale        # (GP,)
                     l_i += 1.0
                     acc += vn.to(tl.float32)[None, :]
         else:
-            q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :], mask=(g < G)[:, None], other=0.0)  # (GP, D)
+            q = tl.load(q_ptr + b * sqb + hq[:, None] * sqh + d[None, :],
+                        mask=(g < G)[:, None], other=0.0)                             # (GP, D)
         for n0 in tl.range(lo, hi, BN):
-            n = n0 + tl.arange(0, BN)                                                       # (BN,)
+            n = n0 + tl.arange(0, BN)                                        # (BN,)
             ok = (n < hi) & (tl.load(valid_ptr + b * sval + n, mask=n < hi, other=0) != 0)
-            kt = tl.load(kb + n[:, None] * sks + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
-            vt = tl.load(vb + n[:, None] * svs + d[None, :], mask=(n < hi)[:, None], other=0.0)     # (BN, D)
-            if F32:  # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
+            kt = tl.load(kb + n[:, None] * sks + d[None, :],
+                         mask=(n < hi)[:, None], other=0.0)                 # (BN, D)
+            vt = tl.load(vb + n[:, None] * svs + d[None, :],
+                         mask=(n < hi)[:, None], other=0.0)                 # (BN, D)
+            # the interpreter multiplies bf16 dot operands wrongly; fp32 of bf16 values is exact
+            if F32:
                 s = tl.dot(q.to(tl.float32), tl.trans(kt.to(tl.float32))) * qk_scale
             else:
-                s = tl.dot(q, tl.trans(kt)) * qk_scale                                      # (GP, BN), log2 units
+                s = tl.dot(q, tl.trans(kt)) * qk_scale                       # (GP, BN), log2 units
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)                            # no valid key yet
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)             # no valid key yet
             alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])                                                 # (GP, BN)
+            p = tl.exp2(s - m_use[:, None])                                  # (GP, BN)
             l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32)) if F32 else tl.dot(p.to(vt.dtype), vt)
-            acc = acc * alpha[:, None] + pv                                                 # (GP, D)
+            pv = (tl.dot(p.to(vt.dtype).to(tl.float32), vt.to(tl.float32)) if F32
+                  else tl.dot(p.to(vt.dtype), vt))
+            acc = acc * alpha[:, None] + pv                                  # (GP, D)
             m_i = m_new
-        if ROPE:  # the new key and value go to the cache after the loop, whose loads need not wait for them
+        # the new key and value go to the cache after the loop, whose loads need not wait for them
+        if ROPE:
             if own:
                 tl.store(kb + slot * sks + e, k1.to(dt))
                 tl.store(kb + slot * sks + D // 2 + e, k2.to(dt))
                 tl.store(vb + slot * svs + d, vn)
-        row = b * HK * G + hq                                                               # (GP,) row of (B * HQ)
+        row = b * HK * G + hq                                                # (GP,) row of (B * HQ)
         if SPLIT == 1:
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(o_ptr + b * sob + hq[:, None] * soh + d[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=(g < G)[:, None])
-        else:                                          # park the chunk's unnormalized partial, its max and its sum
+            tl.store(o_ptr + b * sob + hq[:, None] * soh + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+        else:  # park the chunk's unnormalized partial, its max and its sum
             nc = tl.num_programs(1)
-            tl.store(part_ptr + (row[:, None] * nc + c) * D + d[None, :], acc, mask=(g < G)[:, None])
+            tl.store(part_ptr + (row[:, None] * nc + c) * D + d[None, :], acc,
+                     mask=(g < G)[:, None])
             tl.store(ml_ptr + (row * nc + c) * 2, m_i, mask=g < G)
             tl.store(ml_ptr + (row * nc + c) * 2 + 1, l_i, mask=g < G)
 
     @triton.jit
-    def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh, D: tl.constexpr, CP: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)                   # one (sequence, query head) row a program
+    def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh,
+                             D: tl.constexpr, CP: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)  # one (sequence, query head) row a program
         c, d = tl.arange(0, CP), tl.arange(0, D)
         m = tl.load(ml_ptr + (r * NC + c) * 2, mask=c < NC, other=float("-inf"))           # (CP,)
         lsum = tl.load(ml_ptr + (r * NC + c) * 2 + 1, mask=c < NC, other=0.0)
         mx = tl.max(m, 0)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)))   # (CP,)
-        part = tl.load(part_ptr + (r * NC + c[:, None]) * D + d[None, :], mask=(c < NC)[:, None], other=0.0)
+        w = tl.where(m == float("-inf"), 0.0,
+                     tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)))                  # (CP,)
+        part = tl.load(part_ptr + (r * NC + c[:, None]) * D + d[None, :],
+                       mask=(c < NC)[:, None], other=0.0)
         den = tl.sum(w * lsum, 0)
         out = tl.sum(part * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)                # (D,)
         tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(o_ptr.dtype.element_ty))
 
 
-MAX_CHUNKS = 32   # decode_attention's cap: the merge holds a row's partials in one warp's registers (32 x 128 fp32)
+# decode_attention's cap: the merge holds a row's partials in one warp's registers (32 x 128 fp32)
+MAX_CHUNKS = 32
 
 
 def config_for(programs: int, S: int, sms: int = 132) -> dict:
-    """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for `programs`
-    (sequence, KV head) pairs over S keys, from `python -m bench kernels --parts attn` (7B heads, kv 256-768): one
-    chunk of 128-key steps on 4 warps once the pairs fill the SMs (batch 64, kv 768: 38.9 us, 40.1 with 8 warps,
-    42.0 for two chunks of 64-key steps; as decode steps call it, RoPE and the keys bounded by the new slot, 8 warps
-    made the 7B step's attention at batch 64 0.86 ms against 0.65, `python -m bench profile --batches 64`); below
-    that, chunks for about four programs an SM, of 32- or 64-key steps (batch 1: 24 chunks of 32-key steps, 5.4 us;
-    batch 16: 9 of 64, 14.5 us)."""
+    """chunks (of the keys, per (sequence, KV head)), block (keys a loop step), warps and stages for
+    `programs` (sequence, KV head) pairs over S keys, from `python -m bench kernels --parts attn`
+    (7B heads, kv 256-768): one chunk of 128-key steps on 4 warps once the pairs fill the SMs
+    (batch 64, kv 768: 38.9 us, 40.1 with 8 warps, 42.0 for two chunks of 64-key steps; as decode
+    steps call it, RoPE and the keys bounded by the new slot, 8 warps made the 7B step's attention
+    at batch 64 0.86 ms against 0.65, `python -m bench profile --batches 64`); below that, chunks
+    for about four programs an SM, of 32- or 64-key steps (batch 1: 24 chunks of 32-key steps,
+    5.4 us; batch 16: 9 of 64, 14.5 us)."""
     if programs >= sms:
         return dict(chunks=1, block=128, warps=4, stages=2)
     block = 32 if programs < 32 else 64
-    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block, warps=4, stages=2)
+    return dict(chunks=max(1, min(-(-4 * sms // programs), -(-S // block))), block=block,
+                warps=4, stages=2)
 
 
 def usable(x, head_dim: int) -> bool:
-    """Whether decode_attention runs the kernel for queries on x's device and of x's dtype (else the reference):
-    Triton (CUDA, or CPU under TRITON_INTERPRET=1 with kernels.CPU_TRITON), bf16 / fp16, head_dim a power of two
-    >= 16, no autograd. model.py asks once per forward, so that the fallback keeps SDPA's additive mask."""
+    """Whether decode_attention runs the kernel for queries on x's device and of x's dtype (else the
+    reference): Triton (CUDA, or CPU under TRITON_INTERPRET=1 with kernels.CPU_TRITON), bf16 / fp16,
+    head_dim a power of two >= 16, no autograd. model.py asks once per forward, so that the fallback
+    keeps SDPA's additive mask."""
     return (_use_triton(x) and head_dim >= 16 and head_dim & (head_dim - 1) == 0
             and x.dtype in (torch.bfloat16, torch.float16) and not torch.is_grad_enabled())
 
 
 def rope_fusable(q, new) -> bool:
-    """Whether decode_attention(new=...) rotates and writes the new key in its kernel (else ops.rope_cache first)."""
+    """Whether decode_attention(new=...) rotates and writes the new key in its kernel (else
+    ops.rope_cache first)."""
     kn, vn, cos, sin, slots = new
     return (slots.numel() == 1 and cos.stride() == sin.stride() and cos.dtype == q.dtype
             and all(t.stride(-1) == 1 for t in (kn, vn, cos)))
 
 
 def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, new=None):
-    """decode_attention_ref with the Triton kernel (CUDA, and CPU under TRITON_INTERPRET=1), else the reference.
-    config: dict(chunks=key chunks per (sequence, KV head) (more than one adds a merge launch), block=keys a loop
-    step (a power of two >= 16), warps, stages (pipeline depth)); default config_for's.
-    new=(k_new (B, HK, D), v_new, cos (B, D), sin, slots (1,)): a decode step's new key and value, q and k_new not
-    rotated yet, k and v views of the caches: RoPE on q and k_new, k_new and v_new written to the caches at slots,
-    then attention, in the one kernel (as ops.rope_cache followed by the attention; that where it cannot). The new
-    token attends to no key after its slot (causal), so the kernel reads the keys up to the slot only."""
+    """decode_attention_ref with the Triton kernel (CUDA, and CPU under TRITON_INTERPRET=1), else
+    the reference.
+    config: dict(chunks=key chunks per (sequence, KV head) (more than one adds a merge launch),
+    block=keys a loop step (a power of two >= 16), warps, stages (pipeline depth)); default
+    config_for's.
+    new=(k_new (B, HK, D), v_new, cos (B, D), sin, slots (1,)): a decode step's new key and value,
+    q and k_new not rotated yet, k and v views of the caches: RoPE on q and k_new, k_new and v_new
+    written to the caches at slots, then attention, in the one kernel (as ops.rope_cache followed by
+    the attention; that where it cannot). The new token attends to no key after its slot (causal),
+    so the kernel reads the keys up to the slot only."""
     B, HQ, T, D = q.shape
     HK, S = k.shape[1], k.shape[2]
     if T != 1 or HQ % HK or valid.shape != (B, S):
-        raise ValueError(f"decode attention takes q (B, HQ, 1, D), k/v (B, HK, S, D), valid (B, S); got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(valid.shape)}")
-    ok = (usable(q, D) and k.dtype == v.dtype == q.dtype and valid.dtype == torch.bool and HQ // HK <= 64
-          and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+        raise ValueError("decode attention takes q (B, HQ, 1, D), k/v (B, HK, S, D), "
+                         f"valid (B, S); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(valid.shape)}")
+    ok = (usable(q, D) and k.dtype == v.dtype == q.dtype and valid.dtype == torch.bool
+          and HQ // HK <= 64 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
     if new is not None and not (ok and rope_fusable(q, new)):
         kn, vn, cos, sin, slots = new
-        q = rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, None], sin[:, None], k, v, slots)
+        q = rope_cache(q.transpose(1, 2), kn[:, None], vn[:, None], cos[:, None], sin[:, None],
+                       k, v, slots)
         valid, new = valid & (torch.arange(S, device=valid.device) <= slots[-1]), None
     if not ok:
         return decode_attention_ref(q, k, v, valid, scale)
@@ -187,7 +223,7 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
     cfg = {**config_for(B * HK, S), **(config or {})}
     block = cfg["block"]
     nc = max(1, min(cfg["chunks"], MAX_CHUNKS))
-    chunk = -(-S // nc // block) * block                      # keys per chunk, a multiple of the block
+    chunk = -(-S // nc // block) * block  # keys per chunk, a multiple of the block
     nc = -(-S // chunk)
     o = torch.empty(B, HQ, 1, D, dtype=q.dtype, device=q.device)
     part = torch.empty(B * HQ * nc * D if nc > 1 else 1, dtype=torch.float32, device=q.device)
@@ -195,12 +231,15 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
     vb = valid.view(torch.uint8)
     rope = new if new is not None else (q, q, q, q, valid)   # (unused without new)
     _decode_attn_kernel[(B * HK, nc)](
-        q, k, v, vb, o, part, ml, S, chunk, HK, G, scale * math.log2(math.e), q.stride(0), q.stride(1),
-        *k.stride()[:3], *v.stride()[:3], vb.stride(0), o.stride(0), o.stride(1), *rope,
-        *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1), rope[2].stride(0))
+        q, k, v, vb, o, part, ml, S, chunk, HK, G, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], vb.stride(0),
+        o.stride(0), o.stride(1), *rope,
+        *((rope[0].stride(0), rope[0].stride(1), rope[1].stride(0), rope[1].stride(1),
+           rope[2].stride(0))
           if new is not None else (0,) * 5),
-        D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2, F32=INTERPRET,
-        ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"], enable_fp_fusion=new is None)
+        D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2,
+        F32=INTERPRET, ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        enable_fp_fusion=new is None)
     if nc > 1:
         _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
                                         CP=max(2, triton.next_power_of_2(nc)), num_warps=1)

@@ -1,16 +1,19 @@
 """fsutil.py: atomic writes of files and folders, shared by every stage that writes to disk.
 
     with fsutil.atomic_dir(Path("runs/x/checkpoints/step_000020")) as tmp:
-        (tmp / "state.pt").write_bytes(...)          # fill tmp; on success it becomes the target, atomically
+        (tmp / "state.pt").write_bytes(...)          # fill tmp; on success it becomes the
+                                                     # target, atomically
     fsutil.atomic_write_text(Path("runs/x/config.json"), text)
 
-Why a module of its own: an atomic write renames a temporary into place, and a rename works only inside one
-filesystem. The temporary must therefore sit next to its target, never in $TMPDIR (a tmpfs /tmp, as on Fedora and
-Arch, is another filesystem: rename fails with EXDEV). Every writer goes through these few functions so that rule
-holds everywhere. Temporaries are hidden names that start with "." and hold ".tmp-"; `clean_stale` removes the ones a
-killed process left behind. Folders get the usual permissions (0777 less the umask), not mkdtemp's 0700.
+Why a module of its own: an atomic write renames a temporary into place, and a rename works only
+inside one filesystem. The temporary must therefore sit next to its target, never in $TMPDIR (a
+tmpfs /tmp, as on Fedora and Arch, is another filesystem: rename fails with EXDEV). Every writer
+goes through these few functions so that rule holds everywhere. Temporaries are hidden names that
+start with "." and hold ".tmp-"; `clean_stale` removes the ones a killed process left behind.
+Folders get the usual permissions (0777 less the umask), not mkdtemp's 0700.
 
-Leaves out: fsync of the data (a power cut may lose the last write, never leave a half-written target).
+Leaves out: fsync of the data (a power cut may lose the last write, never leave a half-written
+target).
 """
 import os
 import shutil
@@ -29,9 +32,11 @@ def _umask() -> int:
 
 @contextmanager
 def atomic_dir(target: Path, replace: bool = False):
-    """Yield an empty temporary folder beside `target`; on a clean exit it becomes `target` in one rename.
+    """Yield an empty temporary folder beside `target`; on a clean exit it becomes `target` in one
+    rename.
 
-    replace=False: an existing target is an error (FileExistsError), raised before anything is written.
+    replace=False: an existing target is an error (FileExistsError), raised before anything is
+    written.
     replace=True: the old target is swapped out and removed only after the new one is in place.
     On any exception (Ctrl-C included) the temporary is removed and the target is untouched."""
     target = Path(target)
@@ -40,15 +45,19 @@ def atomic_dir(target: Path, replace: bool = False):
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}", dir=target.parent))
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a run folder should read like any other
+        # mkdtemp makes 0700; a run folder should read like any other
+        os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
-        if replace and target.exists():  # swap, then drop the old folder
+        if replace and target.exists():
+            # swap, then drop the old folder
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}old-", dir=target.parent))
             os.rmdir(old)  # only its unique name is wanted
             target.rename(old)
             tmp.rename(target)
             shutil.rmtree(old, ignore_errors=True)
-        else:  # a target made meanwhile by someone else makes this rename fail: theirs is never deleted
+        else:
+            # a target made meanwhile by someone else makes this rename fail: theirs is never
+            # deleted
             tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -56,7 +65,8 @@ def atomic_dir(target: Path, replace: bool = False):
 
 
 def atomic_write_bytes(path: Path, blob: bytes) -> Path:
-    """Write `blob` to `path` through a temporary file beside it and os.replace (atomic on POSIX)."""
+    """Write `blob` to `path` through a temporary file beside it and os.replace (atomic on
+    POSIX)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_TAG}", dir=path.parent)
@@ -76,7 +86,8 @@ def atomic_write_text(path: Path, text: str) -> Path:
 
 
 def clean_stale(folder: Path) -> list[Path]:
-    """Remove the temporaries a killed writer left in `folder` (only names made by this module). Returns them."""
+    """Remove the temporaries a killed writer left in `folder` (only names made by this module).
+    Returns them."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
