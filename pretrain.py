@@ -231,26 +231,22 @@ def tokenizer_sample(cfg: Config) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 # The corpus, the model, the evaluation
 
-def make_batch(tok, rng: random.Random, cfg: Config, prompt_cache: dict, split: str = "train"):
+def make_batch(tok, rng: random.Random, cfg: Config, split: str = "train"):
     """A batch of fresh worked solutions: ids (B, L) right-padded, labels (B, L) with -100 off the
     assistant turn."""
-    seqs = []
-    for _ in range(cfg.batch_size):
-        q, text = corpus_example(cfg, rng, split)
-        if q not in prompt_cache:
-            if len(prompt_cache) > 100_000:                      # bounded: a prompt a step is new
-                prompt_cache.clear()
-            prompt_cache[q] = encode_checked(tok, chat_text(q))
-        answer = encode_checked(tok, text + "<|im_end|>")
-        seqs.append((prompt_cache[q], answer))
-    L = max(len(p) + len(c) for p, c in seqs)
-    ids = torch.full((len(seqs), L), tok.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(seqs), L), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(seqs):
-        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+    examples = [corpus_example(cfg, rng, split) for _ in range(cfg.batch_size)]
+    # one call encodes the whole batch (the tokenizer's batch path runs in parallel)
+    prompts = encode_checked(tok, [chat_text(q) for q, _ in examples])
+    answers = encode_checked(tok, [text + "<|im_end|>" for _, text in examples])
+    L = max(len(p) + len(c) for p, c in zip(prompts, answers))
+    ids = []
+    labels = []
+    for p, c in zip(prompts, answers):
+        pad = L - len(p) - len(c)
+        ids.append(p + c + [tok.pad_token_id] * pad)
         # the loss covers the answer and its <|im_end|>
-        labels[i, len(p):len(p) + len(c)] = torch.tensor(c)
-    return ids, labels
+        labels.append([-100] * len(p) + c + [-100] * pad)
+    return torch.tensor(ids), torch.tensor(labels)                              # (B, L) each
 
 
 def build_model(cfg: Config, tok):
@@ -288,7 +284,7 @@ def evaluate(model, tok, rows: list[dict], cfg: Config, sample: bool, seed: int)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for i in range(0, len(rows), 128):
         chunk = rows[i:i + 128]
-        prompts = [encode_checked(tok, chat_text(r["question"])) for r in chunk]
+        prompts = encode_checked(tok, [chat_text(r["question"]) for r in chunk])
         P = max(map(len, prompts))
         # left-padded
         ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts], device=dev)
@@ -479,14 +475,13 @@ def main(argv=None) -> int:
     opt_ = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=cfg.weight_decay,
                              betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
-    prompt_cache = {}
     history = []
     if dev.type == "cuda":
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     else:
         autocast = torch.autocast("cpu", enabled=False)
     # a fixed held-out batch: its loss is logged
-    heldout = make_batch(tok, random.Random(cfg.seed), cfg, {}, "test")
+    heldout = make_batch(tok, random.Random(cfg.seed), cfg, "test")
 
     def log_eval(step):
         m = measure(model, tok, cfg, eval_rows[:cfg.eval_prompts], heldout, autocast)
@@ -501,7 +496,7 @@ def main(argv=None) -> int:
     loss_ema = None
     for step in bar:
         set_lr(opt_, lr_at(step, cfg))
-        ids, labels = make_batch(tok, rng, cfg, prompt_cache)
+        ids, labels = make_batch(tok, rng, cfg)
         qat = step >= cfg.qat_from * cfg.steps
         opt_.zero_grad(set_to_none=True)
         nvfp4 = Swapped(model, rounded_weights(model, "nvfp4")) if qat else contextlib.nullcontext()

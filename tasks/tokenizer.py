@@ -56,12 +56,12 @@ def build_tokenizer(sample: list[str], vocab_target: int = 256):
     return hf
 
 
-def encode_checked(tok, text: str) -> list[int]:
-    """Token ids of `text`, or a clear ValueError naming the characters the tokenizer cannot
-    encode."""
-    bad = sorted({c for c in text if c not in ALPHABET})
+def encode_checked(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text (one batched call), or a clear ValueError naming the characters the
+    tokenizer cannot encode."""
+    bad = sorted(set("".join(texts)) - set(ALPHABET))          # set difference: C speed
     if bad:
         raise ValueError(f"the text has characters this tokenizer cannot encode: {''.join(bad)!r} "
                          "(its alphabet is printable ASCII plus newline and tab); remove or "
                          "replace them")
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    return [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
