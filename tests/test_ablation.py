@@ -1,7 +1,8 @@
-"""experiments/qerl_ablation.py and experiments/stats.py: the statistics against numbers computed by hand (or scipy when
-installed), and the experiment end to end on the CPU at a smoke size (2 arms x 1 seed x 2 steps of the tiny model):
-the results hold the runs' own numbers, a rerun skips finished runs, a broken run is named with its error while the
-other run goes on, and --report-only redoes the report alone."""
+"""experiments/qerl_ablation.py and experiments/stats.py: the statistics against numbers computed by
+hand (or scipy when installed), and the experiment end to end on the CPU at a smoke size (2 arms x 1
+seed x 2 steps of the tiny model): the results hold the runs' own numbers, a rerun skips finished
+runs, a broken run is named with its error while the other run goes on, and --report-only redoes
+the report alone."""
 import json
 import math
 import shutil
@@ -16,8 +17,10 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import qerl_ablation as abl  # noqa: E402
 import stats  # noqa: E402
 
-# Student t quantiles t(0.975, df) from the standard tables (= scipy.stats.t.ppf(0.975, df) to 1e-9)
-T975 = {1: 12.706204736, 2: 4.302652730, 4: 2.776445105, 9: 2.262157163, 29: 2.045229642, 1000: 1.962339081}
+# Student t quantiles t(0.975, df) from the standard tables
+# (= scipy.stats.t.ppf(0.975, df) to 1e-9)
+T975 = {1: 12.706204736, 2: 4.302652730, 4: 2.776445105, 9: 2.262157163, 29: 2.045229642,
+        1000: 1.962339081}
 
 
 def test_t_quantiles_and_cdf_match_the_tables():
@@ -36,59 +39,77 @@ def test_t_quantiles_and_cdf_match_the_tables():
 
 
 def test_mean_ci_is_the_t_interval():
-    c = stats.mean_ci([1, 2, 3, 4, 5])  # sd = sqrt(2.5), half width = 2.776445105 * sqrt(2.5 / 5) = 1.963243161
+    # sd = sqrt(2.5), half width = 2.776445105 * sqrt(2.5 / 5) = 1.963243161
+    c = stats.mean_ci([1, 2, 3, 4, 5])
     assert (c["n"], c["mean"], c["sd"]) == (5, 3.0, pytest.approx(math.sqrt(2.5)))
     assert (c["lo"], c["hi"]) == (pytest.approx(1.036756839), pytest.approx(4.963243161))
-    one = stats.mean_ci([0.4, None, math.nan])  # missing values are left out; one value has no interval
+    # missing values are left out; one value has no interval
+    one = stats.mean_ci([0.4, None, math.nan])
     assert one["n"] == 1 and one["mean"] == 0.4 and math.isnan(one["lo"])
 
 
 def test_band_per_step_leaves_out_missing_values():
     mean, lo, hi = stats.band([[1, 2, math.nan], [3, math.nan, math.nan], [5, 4, math.nan]])
-    # step 0: [1, 3, 5], sd 2, half 4.302652730 * 2 / sqrt(3); step 1: [2, 4], sd sqrt(2), half 12.706204736 * 1
+    # step 0: [1, 3, 5], sd 2, half 4.302652730 * 2 / sqrt(3); step 1: [2, 4], sd sqrt(2),
+    # half 12.706204736 * 1
     assert mean[:2].tolist() == [3.0, 3.0] and math.isnan(mean[2])
-    assert lo[0] == pytest.approx(3 - 4.302652730 * 2 / math.sqrt(3)) and hi[1] == pytest.approx(3 + 12.706204736)
+    assert (lo[0] == pytest.approx(3 - 4.302652730 * 2 / math.sqrt(3))
+            and hi[1] == pytest.approx(3 + 12.706204736))
 
 
 def test_sign_flip_p_counts_every_pattern():
-    # |+-3 +-1 +-2 +-1| >= 5: the flipped subset sums to <= 1 or >= 6: {}, {1}, {1'}, {3,1,2}, {3,2,1'}, all: 6 of 16
+    # |+-3 +-1 +-2 +-1| >= 5: the flipped subset sums to <= 1 or >= 6: {}, {1}, {1'}, {3,1,2},
+    # {3,2,1'}, all: 6 of 16
     assert stats.sign_flip_p([3, 1, 2, -1]) == pytest.approx(6 / 16)
-    assert stats.sign_flip_p([1, 2, 3, 4, 5]) == pytest.approx(2 / 32)  # only all + and all -: the floor at 5 seeds
+    # only all + and all -: the floor at 5 seeds
+    assert stats.sign_flip_p([1, 2, 3, 4, 5]) == pytest.approx(2 / 32)
     assert stats.sign_flip_p([1, -1]) == 1.0
-    assert stats.sign_flip_p(list(range(1, 23))) < 1e-5                # above 20 pairs: random patterns, seeded
+    # above 20 pairs: random patterns, seeded
+    assert stats.sign_flip_p(list(range(1, 23))) < 1e-5
 
 
 def test_paired_comparison_and_verdicts():
     a, b = {0: 1.0, 1: 2.0, 2: 3.5}, {0: 0.5, 1: 1.0, 2: 1.5, 3: 9.0}  # seed 3 has no pair
-    r = stats.paired(a, b)  # diffs 0.5, 1, 2: mean 7/6, sd sqrt(0.58333), half 4.302652730 * sd / sqrt(3)
+    # diffs 0.5, 1, 2: mean 7/6, sd sqrt(0.58333), half 4.302652730 * sd / sqrt(3)
+    r = stats.paired(a, b)
     half = 4.302652730 * math.sqrt(0.7 / 1.2) / math.sqrt(3)
     assert r["seeds"] == [0, 1, 2] and r["mean"] == pytest.approx(7 / 6)
     assert (r["lo"], r["hi"]) == (pytest.approx(7 / 6 - half), pytest.approx(7 / 6 + half))
-    assert r["p"] == pytest.approx(2 / 8) and r["min_p"] == pytest.approx(2 / 8) and r["verdict"] == "inconclusive"
+    assert (r["p"] == pytest.approx(2 / 8) and r["min_p"] == pytest.approx(2 / 8)
+            and r["verdict"] == "inconclusive")
     assert stats.verdict(0.1, 0.3) == "supported" and stats.verdict(-0.3, -0.1) == "refuted"
-    assert stats.verdict(-0.1, 0.3) == "inconclusive" and stats.verdict(math.nan, math.nan) == "inconclusive"
+    assert (stats.verdict(-0.1, 0.3) == "inconclusive"
+            and stats.verdict(math.nan, math.nan) == "inconclusive")
     assert stats.paired({0: 1.0}, {0: 0.0})["verdict"] == "inconclusive"  # one pair: no interval
 
 
 def test_run_measures_from_hand_made_rows():
     rows = [{"step": 0, "eval_accuracy": 0.0},
-            {"step": 0, "reward": 0.2, "accuracy": 0.1, "entropy": 0.9, "mismatch_abs": 0.01, "tis_capped_frac": 0.0},
-            {"step": 1, "reward": 9.0, "accuracy": 9.0},                   # replaced by the resumed step's row below
-            {"step": 1, "reward": 0.4, "accuracy": 0.3, "entropy": 0.8, "mismatch_abs": 0.03, "tis_capped_frac": 0.5},
+            {"step": 0, "reward": 0.2, "accuracy": 0.1, "entropy": 0.9, "mismatch_abs": 0.01,
+             "tis_capped_frac": 0.0},
+            # replaced by the resumed step's row below
+            {"step": 1, "reward": 9.0, "accuracy": 9.0},
+            {"step": 1, "reward": 0.4, "accuracy": 0.3, "entropy": 0.8, "mismatch_abs": 0.03,
+             "tis_capped_frac": 0.5},
             {"step": 2, "reward": 0.6, "accuracy": 0.5, "entropy": 0.7, "eval_accuracy": 0.75},
             {"step": 3, "eval_accuracy": 1.0}]
     post = {"entropy_probe": 1.25, "pass_at_k": {"3": {"pass@1": 0.5, "pass@2": 0.75}}}
-    m = stats.run_measures(3, rows, {0: 0.0, 3: 1.0}, post, thr_greedy=0.5, thr_sampled=0.35, window=2)
+    m = stats.run_measures(3, rows, {0: 0.0, 3: 1.0}, post, thr_greedy=0.5, thr_sampled=0.35,
+                           window=2)
     assert m["reward"] == [0.2, 0.4, 0.6] and m["reward_auc"] == pytest.approx(0.4)
-    assert m["acc_auc"] == pytest.approx(0.3) and m["final_acc"] == 1.0 and m["entropy0_trainer"] == 0.9
-    assert m["entropy0"] == 1.25 and m["mismatch"] == pytest.approx(0.02) and m["tis_capped"] == pytest.approx(0.25)
-    assert m["steps_greedy"] == 3 and m["steps_sampled"] == 2   # trailing means of 2: 0.2 at step 1, 0.4 at step 2
+    assert (m["acc_auc"] == pytest.approx(0.3) and m["final_acc"] == 1.0
+            and m["entropy0_trainer"] == 0.9)
+    assert (m["entropy0"] == 1.25 and m["mismatch"] == pytest.approx(0.02)
+            and m["tis_capped"] == pytest.approx(0.25))
+    # trailing means of 2: 0.2 at step 1, 0.4 at step 2
+    assert m["steps_greedy"] == 3 and m["steps_sampled"] == 2
     assert stats.first_reach([0, 1, 2], [0.1, 0.2, 0.3], 0.9) is None
 
 
 def test_bad_input_is_one_line(capsys, tmp_path):
     out = str(tmp_path / "exp")
-    cases = [(["--lrs", "1e-3", "--seed", "3"], "--seed is set by this script for each run: use --seeds"),
+    cases = [(["--lrs", "1e-3", "--seed", "3"],
+              "--seed is set by this script for each run: use --seeds"),
              (["--lrs", "1e-3", "--base", "bf16"], "use --arms"),
              (["--seeds", "0-2"], "--lrs is needed"),
              (["--lrs", "1e-3,1e-3"], "give distinct values"),
@@ -106,15 +127,17 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert abl.parse_list("0-2,7", "--seeds", int) == [0, 1, 2, 7]
 
 
-SMOKE = ["--arms", "bf16,nvfp4_aqn", "--seeds", "0", "--lrs", "5e-3", "--gpus", "0", "--procs-per-gpu", "2",
-         "--pass-k-n", "4", "--entropy-samples", "2", "--steps", "2", "--algo", "grpo", "--prompts-per-step", "2",
-         "--group-size", "4", "--eval-limit", "4", "--max-new-tokens", "8"]
+SMOKE = ["--arms", "bf16,nvfp4_aqn", "--seeds", "0", "--lrs", "5e-3", "--gpus", "0",
+         "--procs-per-gpu", "2", "--pass-k-n", "4", "--entropy-samples", "2", "--steps", "2",
+         "--algo", "grpo", "--prompts-per-step", "2", "--group-size", "4", "--eval-limit", "4",
+         "--max-new-tokens", "8"]
 NAMES = ("bf16-lr0.005-s0", "nvfp4_aqn-lr0.005-s0")
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """The smoke experiment, run once; each test copies it. Workers run the CPU reference paths, as a user's would."""
+    """The smoke experiment, run once; each test copies it. Workers run the CPU reference paths, as
+    a user's would."""
     exp = tmp_path_factory.mktemp("ablation") / "exp"
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TRITON_INTERPRET", raising=False)
@@ -142,21 +165,26 @@ def test_smoke_results_hold_the_runs_numbers(smoke):
         assert r["reward_auc"] == pytest.approx(sum(x["reward"] for x in train) / 2)
         assert r["acc_auc"] == pytest.approx(sum(x["accuracy"] for x in train) / 2)
         assert r["entropy0_trainer"] == pytest.approx(train[0]["entropy"])
-        assert r["final_acc"] == pytest.approx(next(x["eval_accuracy"] for x in rows if x["step"] == 2
-                                                    and "reward" not in x))
+        assert r["final_acc"] == pytest.approx(next(x["eval_accuracy"] for x in rows
+                                                    if x["step"] == 2 and "reward" not in x))
         assert r["evals"]["0"] == pytest.approx(rows[0]["eval_accuracy"])
         assert r["entropy0"] == pytest.approx(post["entropy_probe"]) and post["entropy_probe"] > 0
         assert (post["entropy_probe_noisy"] is not None) == (arm == "nvfp4_aqn")
-        assert set(post["pass_at_k"]) == {"0", "2"} and set(post["pass_at_k"]["2"]) >= {"pass@1", "pass@2", "pass@4"}
+        assert (set(post["pass_at_k"]) == {"0", "2"}
+                and set(post["pass_at_k"]["2"]) >= {"pass@1", "pass@2", "pass@4"})
         assert r["pass_at_k"]["2"]["pass@4"] == pytest.approx(post["pass_at_k"]["2"]["pass@4"])
         assert g["seeds"] == [0] and g["reward_auc"]["mean"] == pytest.approx(r["reward_auc"])
         assert g["final_acc"]["n"] == 1 and g["final_acc"]["mean"] == pytest.approx(r["final_acc"])
-        assert g["curves"]["reward"][0] == pytest.approx(r["reward"])  # one seed: the band is the curve
-        assert g["pass_at_k"]["0"]["pass@2"]["mean"] == pytest.approx(post["pass_at_k"]["0"]["pass@2"])
+        # one seed: the band is the curve
+        assert g["curves"]["reward"][0] == pytest.approx(r["reward"])
+        assert (g["pass_at_k"]["0"]["pass@2"]["mean"]
+                == pytest.approx(post["pass_at_k"]["0"]["pass@2"]))
         assert r["timing"]["attempts"] == 1 and r["timing"]["gpu_seconds"] > 0
-        row = next(x for x in md.splitlines() if x.startswith(f"| {abl.ARMS[arm][0]} | 0.005 | 1 |"))
+        row = next(x for x in md.splitlines()
+                   if x.startswith(f"| {abl.ARMS[arm][0]} | 0.005 | 1 |"))
         assert f"| {r['reward_auc']:.3f} | {r['acc_auc']:.3f} | {r['final_acc']:.3f} |" in row
-    assert res["gpu_minutes"]["total"] == pytest.approx(sum(res["gpu_minutes"]["per_arm"].values()))
+    assert (res["gpu_minutes"]["total"]
+            == pytest.approx(sum(res["gpu_minutes"]["per_arm"].values())))
     assert res["gpu_minutes"]["total"] > 0 and res["gpu_minutes"]["held"] > 0
     assert [c["a"] + "-" + c["b"] for c in res["comparisons"]][:1] == ["nvfp4_aqn-bf16"]
     assert "Rule: each claim" in md and "inconclusive" in md and "fig_lr0.005.png" in md
@@ -170,11 +198,13 @@ def test_rerun_skips_then_names_a_broken_run_while_the_other_goes_on(smoke, tmp_
     assert "0 runs to do" in out and "2 finished runs skipped" in out
     assert {n: (exp / "runs" / n / "metrics.jsonl").stat().st_mtime_ns for n in NAMES} == metrics
 
-    # bf16: its post-run evaluation is gone, so only that is redone; nvfp4_aqn: a partial run whose checkpoint is junk
+    # bf16: its post-run evaluation is gone, so only that is redone; nvfp4_aqn: a partial run whose
+    # checkpoint is junk
     (exp / "runs" / NAMES[0] / "post.json").unlink()
     broken = exp / "runs" / NAMES[1]
     rows = [r for r in rows_of(broken / "metrics.jsonl") if r["step"] < 1]
-    (broken / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 1, "rew')
+    (broken / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows)
+                                          + '{"step": 1, "rew')
     (broken / "checkpoints" / "step_000001").mkdir()
     (broken / "checkpoints" / "step_000001" / "state.pt").write_bytes(b"not a checkpoint")
     (broken / "checkpoints" / "latest").write_text("step_000001")
@@ -182,11 +212,14 @@ def test_rerun_skips_then_names_a_broken_run_while_the_other_goes_on(smoke, tmp_
         mp.delenv("TRITON_INTERPRET", raising=False)
         assert abl.main(["--out", str(exp)] + SMOKE) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert any(x.startswith(f"error: run {NAMES[1]} failed: exit 2: error: ") and "state.pt" in x for x in err), err
-    assert "resuming" in (exp / "logs" / f"{NAMES[1]}.log").read_text()           # it was resumed, not restarted
+    assert any(x.startswith(f"error: run {NAMES[1]} failed: exit 2: error: ") and "state.pt" in x
+               for x in err), err
+    # it was resumed, not restarted
+    assert "resuming" in (exp / "logs" / f"{NAMES[1]}.log").read_text()
     assert (exp / "runs" / NAMES[0] / "post.json").exists()
     res = json.loads((exp / "results.json").read_text())
-    assert res["runs"][NAMES[0]]["final_acc"] is not None and res["runs"][NAMES[0]]["timing"]["attempts"] == 2
+    assert (res["runs"][NAMES[0]]["final_acc"] is not None
+            and res["runs"][NAMES[0]]["timing"]["attempts"] == 2)
     assert "state.pt" in res["runs"][NAMES[1]]["error"] and res["finished"] == 1
     assert f"- {NAMES[1]}: exit 2" in (exp / "results.md").read_text()
 

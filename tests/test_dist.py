@@ -1,12 +1,14 @@
-"""Several processes (torchrun, util/dist.py): 2 gloo ranks on CPU train and evaluate what one process does, resume each
-other's checkpoints, keep their adapters bit-identical, and stop together with one line on bad set-ups. Also the
-per-sequence random streams of rollout.py that make it possible. The tiny model, fp32 on CPU.
+"""Several processes (torchrun, util/dist.py): 2 gloo ranks on CPU train and evaluate what one
+process does, resume each other's checkpoints, keep their adapters bit-identical, and stop together
+with one line on bad set-ups. Also the per-sequence random streams of rollout.py that make it
+possible. The tiny model, fp32 on CPU.
 
-Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens, rewards, accuracies,
-counts and evaluation files are equal; float metrics differ only by the order of the sums (micro-batches of other
-shapes, the ranks' partial sums added last): at most 9e-8 absolute measured (ratio_mean; mismatch_abs, a difference
-of two log-probs near 3e-4, 1.2e-8 absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters:
-equal after the first AdamW step, 2.6e-7 apart after the second (|w| <= 0.14), asserted abs 1e-5. Each rank's own
+Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens,
+rewards, accuracies, counts and evaluation files are equal; float metrics differ only by the order
+of the sums (micro-batches of other shapes, the ranks' partial sums added last): at most 9e-8
+absolute measured (ratio_mean; mismatch_abs, a difference of two log-probs near 3e-4, 1.2e-8
+absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters: equal after the
+first AdamW step, 2.6e-7 apart after the second (|w| <= 0.14), asserted abs 1e-5. Each rank's own
 adapter is bit-identical to the other's after every step.
 """
 import json
@@ -24,13 +26,14 @@ import rollout as R
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
+# dapo, AQN at step 1
 TINY = ["--model", "tiny", "--prompts-per-step", "4", "--group-size", "4", "--eval-limit", "4",
         "--max-new-tokens", "8", "--steps", "2",
-        "--save-every", "1", "--base", "bf16", "--device", "cpu", "--max-sample-rounds", "2"]  # dapo, AQN at step 1
+        "--save-every", "1", "--base", "bf16", "--device", "cpu", "--max-sample-rounds", "2"]
 TIMING = {"t_rollout", "t_reward", "t_train", "t_allreduce", "rollout_tok_s", "peak_mem_gb"}
 
-# torchrun runs this file: train.main, with each rank's adapter saved after every step (SPY_DIR), or a model that
-# does not fit on one rank (OOM_RANK)
+# torchrun runs this file: train.main, with each rank's adapter saved after every step (SPY_DIR), or
+# a model that does not fit on one rank (OOM_RANK)
 WRAPPER = """
 import os, sys
 sys.path.insert(0, {root!r})
@@ -41,7 +44,8 @@ if os.environ.get("SPY_DIR"):
     real = train.rl_step
     def rl_step(cfg, p, step, model, *a):
         m = real(cfg, p, step, model, *a)
-        torch.save(lora.adapter_state(model), os.path.join(os.environ["SPY_DIR"], f"rank{{rank}}_step{{step}}.pt"))
+        torch.save(lora.adapter_state(model),
+                   os.path.join(os.environ["SPY_DIR"], f"rank{{rank}}_step{{step}}.pt"))
         return m
     train.rl_step = rl_step
 if os.environ.get("OOM_RANK") == str(rank):
@@ -53,11 +57,12 @@ sys.exit(train.main(sys.argv[1:]))
 
 
 def torchrun(cwd, script, *args, nproc=2, env=None):
-    """`torchrun --standalone --nproc_per_node N script args` (a free port: other test runs may share the machine).
-    A monitor interval of 2 s lets every rank print its error before torchrun stops the others."""
+    """`torchrun --standalone --nproc_per_node N script args` (a free port: other test runs may
+    share the machine). A monitor interval of 2 s lets every rank print its error before torchrun
+    stops the others."""
     full = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "--monitor-interval", "2", str(script), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), "--monitor-interval", "2", str(script), *args]
     r = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=600)
     return r.returncode, r.stdout, r.stderr
 
@@ -76,13 +81,15 @@ def assert_same_rows(got, ref):
 
 def adapter(out: Path, step: int) -> dict:
     from safetensors.torch import load_file
-    return load_file(out / "checkpoints" / f"step_{step:06d}" / "adapter" / "adapter_model.safetensors")
+    return load_file(out / "checkpoints" / f"step_{step:06d}" / "adapter"
+                     / "adapter_model.safetensors")
 
 
 def assert_close_adapters(a: dict, b: dict):
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
-    assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-3  # the steps really moved B from 0
+    # the steps really moved B from 0
+    assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-3
 
 
 def rewind(src: Path, dst: Path, step: int) -> Path:
@@ -97,15 +104,18 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 2-step run by one process (train.main here) and by 2 gloo ranks (torchrun, adapters spied on)."""
+    """The same 2-step run by one process (train.main here) and by 2 gloo ranks (torchrun, adapters
+    spied on)."""
     root = tmp_path_factory.mktemp("dist")
     assert train.main(["--out", str(root / "one")] + TINY) == 0
     wrapper = root / "wrapper.py"
     wrapper.write_text(WRAPPER.format(root=str(ROOT)))
     (root / "spy").mkdir()
-    rc, out, err = torchrun(root, wrapper, "--out", str(root / "two"), *TINY, env={"SPY_DIR": str(root / "spy")})
+    rc, out, err = torchrun(root, wrapper, "--out", str(root / "two"), *TINY,
+                            env={"SPY_DIR": str(root / "spy")})
     assert rc == 0, err[-3000:]
-    return dict(root=root, one=root / "one", two=root / "two", spy=root / "spy", wrapper=wrapper, stdout=out)
+    return dict(root=root, one=root / "one", two=root / "two", spy=root / "spy", wrapper=wrapper,
+                stdout=out)
 
 
 def test_two_ranks_train_what_one_process_trains(runs):
@@ -113,14 +123,18 @@ def test_two_ranks_train_what_one_process_trains(runs):
     ref, got = rows_of(one), rows_of(two)
     assert_same_rows(got, ref)
     steps = [r for r in got if "reward" in r]
-    assert len(steps) == 2 and all("loss" in r and "t_allreduce" in r for r in steps)   # both steps trained
-    assert steps[1]["sigma"] > 0 and steps[1]["mismatch_abs"] > 0        # AQN was on in step 1's rollout
+    # both steps trained
+    assert len(steps) == 2 and all("loss" in r and "t_allreduce" in r for r in steps)
+    # AQN was on in step 1's rollout
+    assert steps[1]["sigma"] > 0 and steps[1]["mismatch_abs"] > 0
     for step in (1, 2):
         assert_close_adapters(adapter(two, step), adapter(one, step))
-    for step in (0, 2):                                                   # sharded evaluation, merged by rank 0
+    # sharded evaluation, merged by rank 0
+    for step in (0, 2):
         name = f"eval/step_{step:06d}/samples.jsonl"
         assert (two / name).read_text() == (one / name).read_text()
-    assert runs["stdout"].count("config:") == 1                          # only rank 0 prints progress
+    # only rank 0 prints progress
+    assert runs["stdout"].count("config:") == 1
 
 
 def test_the_ranks_adapters_stay_bit_identical(runs):
@@ -150,60 +164,70 @@ def test_eval_py_with_two_ranks_writes_what_one_process_writes(runs, tmp_path):
     import eval as E
     from util import tiny
 
-    args = ["--model", str(tiny.tiny_model_dir(0)), "--task", "synthetic", "--limit", "5", "--num-samples", "3",
-            "--temperature", "1.0", "--max-new-tokens", "8"]
-    assert E.main(args + ["--out", str(tmp_path / "one"), "--batch-prompts", "2"]) == 0  # other batches, same draws
+    args = ["--model", str(tiny.tiny_model_dir(0)), "--task", "synthetic", "--limit", "5",
+            "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "8"]
+    # other batches, same draws
+    assert E.main(args + ["--out", str(tmp_path / "one"), "--batch-prompts", "2"]) == 0
     rc, out, err = torchrun(tmp_path, ROOT / "eval.py", *args, "--out", str(tmp_path / "two"))
     assert rc == 0, err[-3000:]
-    assert (tmp_path / "two" / "samples.jsonl").read_text() == (tmp_path / "one" / "samples.jsonl").read_text()
+    assert ((tmp_path / "two" / "samples.jsonl").read_text()
+            == (tmp_path / "one" / "samples.jsonl").read_text())
     one, two = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("one", "two"))
-    assert {k: v for k, v in one.items() if k != "seconds"} == {k: v for k, v in two.items() if k != "seconds"}
+    assert ({k: v for k, v in one.items() if k != "seconds"}
+            == {k: v for k, v in two.items() if k != "seconds"})
     assert one["prompts"] == 5 and out.count("pass@1") == 1
 
 
-# ----------------------------------------------------------------------------- bad set-ups: one line, every rank
+# ---------------------------------------------------------------- bad set-ups: one line, every rank
 def error_lines(err: str) -> list[str]:
     return [x for x in err.splitlines() if x.startswith("error: ")]
 
 
 def test_more_ranks_than_prompt_groups(tmp_path):
     out = tmp_path / "run"
-    rc, _, err = torchrun(tmp_path, ROOT / "train.py", "--out", str(out), "--prompts-per-step", "1", "--device", "cpu")
+    rc, _, err = torchrun(tmp_path, ROOT / "train.py", "--out", str(out), "--prompts-per-step", "1",
+                          "--device", "cpu")
     lines = error_lines(err)
     assert rc != 0 and len(lines) == 2 and len(set(lines)) == 1, err
-    assert "torchrun started 2 ranks but --prompts-per-step is 1" in lines[0] and "--nproc_per_node 1" in lines[0]
+    assert ("torchrun started 2 ranks but --prompts-per-step is 1" in lines[0]
+            and "--nproc_per_node 1" in lines[0])
     assert not out.exists()
 
 
 def test_a_model_that_does_not_fit_on_one_rank_stops_every_rank(runs, tmp_path):
     out = tmp_path / "run"
-    rc, _, err = torchrun(tmp_path, runs["wrapper"], "--out", str(out), *TINY, env={"OOM_RANK": "1"})
+    rc, _, err = torchrun(tmp_path, runs["wrapper"], "--out", str(out), *TINY,
+                          env={"OOM_RANK": "1"})
     lines = error_lines(err)
     assert rc != 0 and len(lines) == 2 and len(set(lines)) == 1, err
     assert lines[0].startswith("error: rank 1 of 2: --model") and "does not fit" in lines[0]
-    assert not any(x.startswith("[rank") for x in err.splitlines())      # no worker traceback (torch prefixes them)
+    # no worker traceback (torch prefixes them)
+    assert not any(x.startswith("[rank") for x in err.splitlines())
     assert not out.exists()                                              # rank 0 wrote nothing
 
 
 @pytest.mark.parametrize("case", ["gloo", "nccl", "gpus", "vllm", "device"])
 def test_set_up_errors_before_any_process_group(tmp_path, monkeypatch, capsys, case):
-    """What torchrun's environment cannot run is refused by dist.init before the ranks meet (so every rank prints
-    it), with nothing written. CUDA is simulated where the case needs it."""
+    """What torchrun's environment cannot run is refused by dist.init before the ranks meet (so
+    every rank prints it), with nothing written. CUDA is simulated where the case needs it."""
     for k, v in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2").items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(dist.td, "init_process_group", lambda *a, **k: pytest.fail("must not get this far"))
+    monkeypatch.setattr(dist.td, "init_process_group",
+                        lambda *a, **k: pytest.fail("must not get this far"))
     if case in ("nccl", "gpus"):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2 if case == "nccl" else 1)
         monkeypatch.setattr(dist.td, "is_nccl_available", lambda: False if case == "nccl" else True)
     if case == "gloo":
         monkeypatch.setattr(dist.td, "is_gloo_available", lambda: False)
-    if case == "vllm":  # train.py refuses --engine vllm without vLLM first; dist.init is what it calls with vLLM
+    # train.py refuses --engine vllm without vLLM first; dist.init is what it calls with vLLM
+    if case == "vllm":
         with pytest.raises(dist.DistError, match="--engine vllm runs in one process only"):
             dist.init(None, 4, "--prompts-per-step", "vllm")
         return
     args = ["--out", str(tmp_path / "run"), "--prompts-per-step", "4"]
-    args += ["--device", "cpu"] if case == "gloo" else ["--device", "cuda:1"] if case == "device" else []
+    args += (["--device", "cpu"] if case == "gloo"
+             else ["--device", "cuda:1"] if case == "device" else [])
     if case == "device":
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert train.main(args) == 2
@@ -215,21 +239,27 @@ def test_set_up_errors_before_any_process_group(tmp_path, monkeypatch, capsys, c
     assert not (tmp_path / "run").exists()
 
 
-# ----------------------------------------------------------------------------- per-sequence random streams
-PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
+# ---------------------------------------------------------------- per-sequence random streams
+PROMPTS = [[3838, 374, 220, 17, 10, 18, 30],
+           [40, 1079, 264],
+           [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
 
 
 @pytest.mark.parametrize("race", [False, True])
 def test_a_prompts_samples_do_not_depend_on_the_other_prompts(make_checkpoint, monkeypatch, race):
-    """Sample k of prompt i comes from stream seed + i * n + k whatever else is in the call, its batch or its row:
-    prompts 1 and 2 alone (seed moved by one prompt's n) sample what they sample beside prompt 0."""
+    """Sample k of prompt i comes from stream seed + i * n + k whatever else is in the call, its
+    batch or its row: prompts 1 and 2 alone (seed moved by one prompt's n) sample what they sample
+    beside prompt 0."""
     import model as M
 
-    monkeypatch.setattr(R, "sample_tokens", lambda *a, real=R.sample_tokens, **k: real(*a, **k, race=race))
+    monkeypatch.setattr(R, "sample_tokens",
+                        lambda *a, real=R.sample_tokens, **k: real(*a, **k, race=race))
     m = M.Model.from_pretrained(make_checkpoint("qwen2", dtype=torch.float32), "cpu", torch.float32)
-    kw = dict(n=3, max_new_tokens=10, temperature=1.0, stop_token_ids=list(range(0, 151936, 7)))  # rows stop unevenly
+    # rows stop unevenly
+    kw = dict(n=3, max_new_tokens=10, temperature=1.0, stop_token_ids=list(range(0, 151936, 7)))
     full = R.Engine(m, max_batch=9, max_len=64).generate(PROMPTS, seed=100, **kw)
-    part = R.Engine(m, max_batch=4, max_len=64).generate(PROMPTS[1:], seed=103, **kw)   # other batches too
+    # other batches too
+    part = R.Engine(m, max_batch=4, max_len=64).generate(PROMPTS[1:], seed=103, **kw)
     assert [s.tokens for s in part] == [s.tokens for s in full[3:]]
     for a, b in zip(part, full[3:]):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
@@ -237,29 +267,33 @@ def test_a_prompts_samples_do_not_depend_on_the_other_prompts(make_checkpoint, m
 
 
 def test_philox_noise_is_philox_and_a_pure_function_of_key_and_token(monkeypatch):
-    """The CUDA path's noise, run by the Triton interpreter on CPU tensors: Random123's known answer for Philox-4x32-10
-    (key 0, counter 0 -> first word 0x6627e8d5, whose top 23 bits make the uniform), rows independent of the batch,
-    and the moments of U(0, 1) and Exp(1)."""
+    """The CUDA path's noise, run by the Triton interpreter on CPU tensors: Random123's known answer
+    for Philox-4x32-10 (key 0, counter 0 -> first word 0x6627e8d5, whose top 23 bits make the
+    uniform), rows independent of the batch, and the moments of U(0, 1) and Exp(1)."""
     if R.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton (the interpreter on CPU)")
     keys = torch.tensor([0, 7, 2**60 + 3, 7], dtype=torch.int64)
     u = R.philox_noise(keys, 0, 10, False)
     assert u[0, 0].item() == (2 * (0x6627e8d5 >> 9) + 1) / 2**24
     assert torch.equal(u[1], u[3]) and not torch.equal(u[1], u[2])
-    assert torch.equal(R.philox_noise(keys[1:3], 0, 10, False), u[1:3])   # a row ignores the rows beside it
-    assert not torch.equal(R.philox_noise(keys, 1, 10, False), u)          # the next token draws anew
+    # a row ignores the rows beside it
+    assert torch.equal(R.philox_noise(keys[1:3], 0, 10, False), u[1:3])
+    # the next token draws anew
+    assert not torch.equal(R.philox_noise(keys, 1, 10, False), u)
     big = R.philox_noise(torch.arange(4000, dtype=torch.int64), 5, 8, False)   # 32000 draws
-    assert 0 < big.min() and big.max() < 1 and abs(big.mean() - 0.5) < 0.01 and abs(big.var() - 1 / 12) < 0.005
+    assert (0 < big.min() and big.max() < 1 and abs(big.mean() - 0.5) < 0.01
+            and abs(big.var() - 1 / 12) < 0.005)
     e = R.philox_noise(torch.arange(4000, dtype=torch.int64), 5, 8, True)
     assert torch.allclose(e, -big.log()) and abs(e.mean() - 1) < 0.03 and (e > 0).all()
 
 
-# ----------------------------------------------------------------------------- GPUs
+# ---------------------------------------------------------------- GPUs
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_nccl(runs, tmp_path):
-    """NCCL on 2 GPUs: the run finishes and the ranks' adapters stay bit-identical. In bf16 a prompt's logits depend
-    slightly on which rows share its batch, so the run equals one GPU's in distribution, not token for token."""
+    """NCCL on 2 GPUs: the run finishes and the ranks' adapters stay bit-identical. In bf16 a
+    prompt's logits depend slightly on which rows share its batch, so the run equals one GPU's in
+    distribution, not token for token."""
     (tmp_path / "spy").mkdir()
     args = [a for a in TINY if a not in ("--device", "cpu")]
     rc, _, err = torchrun(tmp_path, runs["wrapper"], "--out", str(tmp_path / "run"), *args,
@@ -276,18 +310,22 @@ def test_philox_noise_on_cuda():
     keys = torch.tensor([0, 7, 2**60 + 3], dtype=torch.int64, device="cuda")
     assert R.philox_noise(keys, 0, 1, False)[0, 0].item() == (2 * (0x6627e8d5 >> 9) + 1) / 2**24
     e = R.philox_noise(keys, 3, 152064, True)                               # a Qwen2.5 vocabulary
-    assert torch.equal(R.philox_noise(keys[1:], 3, 152064, True), e[1:]) and e.isfinite().all() and (e > 0).all()
+    assert (torch.equal(R.philox_noise(keys[1:], 3, 152064, True), e[1:])
+            and e.isfinite().all() and (e > 0).all())
 
 
 def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
-    """python -m bench dist --smoke: 1 and 2 gloo processes through the benchmark's torchrun jobs, one table."""
+    """python -m bench dist --smoke: 1 and 2 gloo processes through the benchmark's torchrun jobs,
+    one table."""
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "dist", "--smoke", "--modes", "weak", "--steps", "2",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-m", "bench", "dist", "--smoke", "--modes", "weak",
+                        "--steps", "2", "--json", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(row["mode"], row["gpus"]) for row in rows] == [("weak", 1), ("weak", 2)]
     assert all(row["step_s"] > 0 and row["tokens_s"] > 0 for row in rows)
-    assert rows[1]["allreduce_alone_s"] > 0 and rows[0]["allreduce_alone_s"] == 0   # only 2 ranks all-reduce
+    # only 2 ranks all-reduce
+    assert rows[1]["allreduce_alone_s"] > 0 and rows[0]["allreduce_alone_s"] == 0
     assert "efficiency" in r.stdout

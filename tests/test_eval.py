@@ -1,4 +1,5 @@
-"""eval.py: pass@k, an end-to-end evaluation of tiny models (bf16, NVFP4 + adapter) on GSM8K rows, and bad input."""
+"""eval.py: pass@k, an end-to-end evaluation of tiny models (bf16, NVFP4 + adapter) on GSM8K rows,
+and bad input."""
 import json
 import shutil
 
@@ -21,15 +22,19 @@ def test_pass_at_k_unbiased_estimator():
 
 def test_eval_end_to_end_bf16(make_checkpoint, tmp_path, capsys):
     out = tmp_path / "ev"
-    rc = E.main(["--model", str(make_checkpoint("qwen2")), "--task", "gsm8k", "--limit", "3", "--n", "2",
-                 "--temperature", "1.0", "--max-new-tokens", "6", "--out", str(out)])
+    rc = E.main(["--model", str(make_checkpoint("qwen2")), "--task", "gsm8k", "--limit", "3",
+                 "--n", "2", "--temperature", "1.0", "--max-new-tokens", "6", "--out", str(out)])
     assert rc == 0
     lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(lines) == 6 and {"question", "gold", "response", "pred", "correct", "parse_failed", "length"} <= set(lines[0])
+    assert (len(lines) == 6
+            and {"question", "gold", "response", "pred", "correct", "parse_failed", "length"}
+            <= set(lines[0]))
     assert lines[0]["gold"] == "18"  # the first GSM8K test row (Janet's ducks)
     s = json.loads((out / "summary.json").read_text())
-    assert s["prompts"] == 3 and s["samples_per_prompt"] == 2 and "pass@2" in s and 0 <= s["pass@1"] <= 1
-    assert s["mean_length"] <= 6 and s["parse_fail_rate"] == sum(x["parse_failed"] for x in lines) / 6
+    assert (s["prompts"] == 3 and s["samples_per_prompt"] == 2 and "pass@2" in s
+            and 0 <= s["pass@1"] <= 1)
+    assert (s["mean_length"] <= 6
+            and s["parse_fail_rate"] == sum(x["parse_failed"] for x in lines) / 6)
     assert "gsm8k: pass@1" in capsys.readouterr().out
 
 
@@ -42,8 +47,9 @@ def test_eval_nvfp4_with_adapter(make_checkpoint, tmp_path):
         for p in lora.lora_parameters(m):
             p.normal_(0, 0.05)
     lora.save_adapter(m, tmp_path / "ad")
-    assert E.main(["--model", str(tmp_path / "q"), "--adapter", str(tmp_path / "ad"), "--task", "synthetic",
-                   "--limit", "4", "--max-new-tokens", "4", "--out", str(tmp_path / "ev")]) == 0
+    assert E.main(["--model", str(tmp_path / "q"), "--adapter", str(tmp_path / "ad"),
+                   "--task", "synthetic", "--limit", "4", "--max-new-tokens", "4",
+                   "--out", str(tmp_path / "ev")]) == 0
     assert len((tmp_path / "ev" / "samples.jsonl").read_text().splitlines()) == 4
 
 
@@ -53,25 +59,28 @@ def test_eval_nvfp4_with_adapter(make_checkpoint, tmp_path):
     (["--task", "gsm8k", "--data", "nope.jsonl"], "nope.jsonl"),
 ])
 def test_eval_bad_input(make_checkpoint, tmp_path, capsys, args, msg):
-    assert E.main(["--model", str(make_checkpoint("qwen2")), "--out", str(tmp_path / "o")] + args) == 2
+    assert E.main(["--model", str(make_checkpoint("qwen2")), "--out", str(tmp_path / "o")]
+                  + args) == 2
     assert msg in capsys.readouterr().err
 
 
 def test_eval_bad_rows_and_adapter(make_checkpoint, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"problem": "no answer field here"}) + "\n")
-    assert E.main(["--model", str(make_checkpoint("qwen2")), "--task", "gsm8k", "--data", str(bad)]) == 2
+    assert E.main(["--model", str(make_checkpoint("qwen2")), "--task", "gsm8k",
+                   "--data", str(bad)]) == 2
     assert "has the field 'question'" in capsys.readouterr().err
     m = M.Model.from_pretrained(make_checkpoint("llama"))  # an adapter for another model shape
     lora.add_lora(m, rank=4, alpha=8)
     lora.save_adapter(m, tmp_path / "ad")
-    assert E.main(["--model", str(make_checkpoint("qwen2_oddk")), "--adapter", str(tmp_path / "ad"), "--task", "gsm8k",
-                   "--limit", "1"]) == 2
+    assert E.main(["--model", str(make_checkpoint("qwen2_oddk")), "--adapter", str(tmp_path / "ad"),
+                   "--task", "gsm8k", "--limit", "1"]) == 2
     assert "has shape" in capsys.readouterr().err
 
 
 class RecordingEngine:
-    """Stands in for the rollout engine: records the stop tokens of each call, ends every response at once."""
+    """Stands in for the rollout engine: records the stop tokens of each call, ends every response
+    at once."""
 
     def __init__(self):
         self.stops = []
@@ -79,11 +88,13 @@ class RecordingEngine:
     def generate(self, prompts, n=1, stop_token_ids=None, **kw):
         self.stops.append(stop_token_ids)
         end = list(stop_token_ids[:1])
-        return [rollout.Sample(i, end, [0.0], "stop") for i in range(len(prompts)) for _ in range(n)]
+        return [rollout.Sample(i, end, [0.0], "stop")
+                for i in range(len(prompts)) for _ in range(n)]
 
 
 def llama3_chat_folder(make_checkpoint, folder, **tokenizer_kw):
-    """A tiny checkpoint whose tokenizer ends turns like Llama 3 (<|eot_id|>, no <|im_end|>), no generation_config."""
+    """A tiny checkpoint whose tokenizer ends turns like Llama 3 (<|eot_id|>, no <|im_end|>), no
+    generation_config."""
     from test_data import llama3_style_tokenizer
     shutil.copytree(make_checkpoint("qwen2"), folder)
     for f in folder.iterdir():
@@ -98,9 +109,11 @@ def test_eval_stops_on_the_models_own_tokens(make_checkpoint, tmp_path, monkeypa
     folder = llama3_chat_folder(make_checkpoint, tmp_path / "llama3-chat")
     engine = RecordingEngine()
     monkeypatch.setattr(E, "make_engine", lambda *a, **k: engine)
-    args = ["--model", str(folder), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev")]
+    args = ["--model", str(folder), "--task", "gsm8k", "--limit", "2",
+            "--out", str(tmp_path / "ev")]
     assert E.main(args) == 0
-    assert engine.stops == [[END_OF_TEXT, EOT]]   # the old hard-coded <|im_end|>/<|endoftext|> gave []
+    # the old hard-coded <|im_end|>/<|endoftext|> gave []
+    assert engine.stops == [[END_OF_TEXT, EOT]]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOT, 3]}))
     engine.stops.clear()
     assert E.main(args) == 0
@@ -108,5 +121,6 @@ def test_eval_stops_on_the_models_own_tokens(make_checkpoint, tmp_path, monkeypa
     capsys.readouterr()
     bare = llama3_chat_folder(make_checkpoint, tmp_path / "bare", eos_token=None,
                               template="{{ messages[0]['content'] }}")
-    assert E.main(["--model", str(bare), "--task", "gsm8k", "--limit", "2", "--out", str(tmp_path / "ev2")]) == 2
+    assert E.main(["--model", str(bare), "--task", "gsm8k", "--limit", "2",
+                   "--out", str(tmp_path / "ev2")]) == 2
     assert "error: no stop token" in capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""Which GPUs run what (README): the Hopper-only paths and the portable one that every other GPU takes.
+"""Which GPUs run what (README): the Hopper-only paths and the portable one that every other GPU
+takes.
 
-kernels.hopper decides: an sm_90 GPU runs gemm/warp_specialized.py's GEMM and the dequant PTX with sm_90's
-bf16x2 multiply; Ampere, Ada and Blackwell run the Triton kernels alone, with the PTX's multiply done as an fma.
-NANOQERL_PORTABLE=1 (kernels.PORTABLE) sends a Hopper GPU down the portable path, so that it is tested here on an
-H100 (the GPU test) and timed (`python -m bench kernels --parts gemm --portable`). On CPU: the dispatch with a
-faked Hopper, and the kernels compiled offline for sm_80 / sm_89 / sm_120 (Triton ships ptxas; no GPU needed).
+kernels.hopper decides: an sm_90 GPU runs gemm/warp_specialized.py's GEMM and the dequant PTX with
+sm_90's bf16x2 multiply; Ampere, Ada and Blackwell run the Triton kernels alone, with the PTX's
+multiply done as an fma. NANOQERL_PORTABLE=1 (kernels.PORTABLE) sends a Hopper GPU down the portable
+path, so that it is tested here on an H100 (the GPU test) and timed
+(`python -m bench kernels --parts gemm --portable`). On CPU: the dispatch with a faked Hopper, and
+the kernels compiled offline for sm_80 / sm_89 / sm_120 (Triton ships ptxas; no GPU needed).
 """
 import os
 import types
@@ -28,8 +30,9 @@ def make_weight(N, Kdim, device="cpu", seed=0):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """fake_gpu((major, minor)): kernels sees a CUDA device of that capability, where kernels_ws may run (its own
-    checks pass) and the interpreter is off; the tensors stay on CPU, nothing is launched."""
+    """fake_gpu((major, minor)): kernels sees a CUDA device of that capability, where kernels_ws may
+    run (its own checks pass) and the interpreter is off; the tensors stay on CPU, nothing is
+    launched."""
     def fake(cap):
         monkeypatch.setattr(K, "_capability", lambda index: cap)
         monkeypatch.setattr(K, "INTERPRET", False)
@@ -40,13 +43,15 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize("M", [1, 64, 256])
 def test_dispatch_hopper_and_portable(fake_gpu, monkeypatch, M):
-    """A Hopper capability takes kernels_ws's GEMM where it wins (64 and 256 tokens of a 7B qkv) and Hopper's PTX;
-    the switch on, the same capability takes what an Ampere (8, 0) or Ada (8, 9) GPU takes: the Triton kernels,
-    the portable PTX."""
+    """A Hopper capability takes kernels_ws's GEMM where it wins (64 and 256 tokens of a 7B qkv) and
+    Hopper's PTX; the switch on, the same capability takes what an Ampere (8, 0) or Ada (8, 9) GPU
+    takes: the Triton kernels, the portable PTX."""
     i32 = torch.zeros(1, 1, 16, dtype=torch.int32)
-    w = layout.NVFP4Weight(i32, i32, torch.ones(1), 4608, 3584)     # the 7B qkv shape (the dispatch reads n and k)
+    # the 7B qkv shape (the dispatch reads n and k)
+    w = layout.NVFP4Weight(i32, i32, torch.ones(1), 4608, 3584)
     dev = fake_gpu((9, 0))
-    x2 = types.SimpleNamespace(shape=(M, 3584), device=dev)    # M tokens on the faked GPU (the dispatch reads these)
+    # M tokens on the faked GPU (the dispatch reads these)
+    x2 = types.SimpleNamespace(shape=(M, 3584), device=dev)
     monkeypatch.setattr(K, "PORTABLE", False)
     assert K.hopper(dev) and K.asm_mode(dev) == 1
     assert K.gemm_path(x2, w) == ("ws" if M > K.WS_MIN_M else "triton")
@@ -66,24 +71,27 @@ def test_switch_read_from_the_environment():
     code = "import kernels; print(kernels.PORTABLE)"
     for value, want in (("1", "True"), ("0", "False")):
         env = {**os.environ, "NANOQERL_PORTABLE": value}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True,
                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert out.stdout.strip().splitlines()[-1] == want
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The kernels compiled offline for the GPUs the portable path is for
 
-# Each case: (kernel, capability, constexprs, warps, stages), compiled in a fresh interpreter with the Triton
-# interpreter off (under TRITON_INTERPRET=1, as in these tests, @triton.jit gives functions that cannot compile).
+# Each case: (kernel, capability, constexprs, warps, stages), compiled in a fresh interpreter with
+# the Triton interpreter off (under TRITON_INTERPRET=1, as in these tests, @triton.jit gives
+# functions that cannot compile).
 COMPILE = """
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels
-PTRS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "gs_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-        "ws_ptr": "*fp32", "cnt_ptr": "*i32", "xa_ptr": "*bf16", "lb_ptr": "*bf16", "out_ptr": "*bf16"}
+PTRS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "gs_ptr": "*fp32", "b_ptr": "*bf16",
+        "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "xa_ptr": "*bf16",
+        "lb_ptr": "*bf16", "out_ptr": "*bf16"}
 out = []
 for name, cap, consts, warps, stages in json.loads(sys.argv[1]):
     kernel = getattr(kernels, name)
@@ -99,53 +107,59 @@ print(json.dumps(out))
 
 
 def compile_offline(cases) -> list:
-    """Shared memory in bytes of each case's compiled kernel (sm_<cap>, no GPU: Triton's bundled ptxas), or the
-    first line of the compiler's error."""
+    """Shared memory in bytes of each case's compiled kernel (sm_<cap>, no GPU: Triton's bundled
+    ptxas), or the first line of the compiler's error."""
     import json
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(cases)], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(cases)], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# the largest of each kernel's configs (mm_config), with bias, a rank-128 LoRA epilogue and SiLU x up
+# the largest of each kernel's configs (mm_config), with bias, a rank-128 LoRA epilogue and
+# SiLU x up
 MM = dict(BM=128, BN=128, SPLIT_K=1, HAS_BIAS=True, RP=128, UNROLL=1, PEEL=1, GATED=True)
 KS = dict(BM=8, BN=32, KS=4, HAS_BIAS=True, RP=128, GATED=True)
 DQ = dict(BN=64, TPP=4)
-# shared memory a block may use: A100 (sm_80), RTX 30xx (sm_86), RTX 4090 / L40S (sm_89), B200 (sm_100), RTX 5090
+# shared memory a block may use: A100 (sm_80), RTX 30xx (sm_86), RTX 4090 / L40S (sm_89),
+# B200 (sm_100), RTX 5090
 SMEM = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 100: 227 * 1024, 120: 99 * 1024}
 
 
 @pytest.mark.skipif(K.triton is None, reason="needs Triton")
 def test_kernels_compile_for_other_gpus():
-    """The GEMMs and the dequant with the portable PTX (USE_ASM=2) compile for Ampere (sm_80, sm_86), Ada (sm_89)
-    and Blackwell (sm_100, sm_120), their largest configs within each GPU's shared memory (99 KB on the RTX
-    cards); Hopper's PTX (USE_ASM=1, mul.rn.bf16x2) is refused for sm_80, which is why the portable one
-    exists."""
-    kernels = (("_nvfp4_mm_kernel", MM, 8, 4), ("_nvfp4_mm_ks_kernel", KS, 4, 4), ("_nvfp4_dequant_kernel", DQ, 4, 3))
+    """The GEMMs and the dequant with the portable PTX (USE_ASM=2) compile for Ampere (sm_80,
+    sm_86), Ada (sm_89) and Blackwell (sm_100, sm_120), their largest configs within each GPU's
+    shared memory (99 KB on the RTX cards); Hopper's PTX (USE_ASM=1, mul.rn.bf16x2) is refused for
+    sm_80, which is why the portable one exists."""
+    kernels = (("_nvfp4_mm_kernel", MM, 8, 4),
+               ("_nvfp4_mm_ks_kernel", KS, 4, 4),
+               ("_nvfp4_dequant_kernel", DQ, 4, 3))
     cases = [(name, cap, {**consts, "USE_ASM": 2}, warps, stages) for cap in (86, 120)
              for name, consts, warps, stages in kernels]
-    cases += [("_nvfp4_mm_kernel", cap, {**MM, "USE_ASM": 2}, 8, 4) for cap in (80, 89, 100)]  # the largest
+    # the largest
+    cases += [("_nvfp4_mm_kernel", cap, {**MM, "USE_ASM": 2}, 8, 4) for cap in (80, 89, 100)]
     cases.append(("_nvfp4_dequant_kernel", 80, {**DQ, "USE_ASM": 1}, 4, 3))
     got = compile_offline(cases)
     for case, shared in zip(cases[:-1], got[:-1]):
         assert isinstance(shared, int) and shared <= SMEM[case[1]], (case, shared)
-    assert isinstance(got[-1], str), got[-1]                                         # a compile error, not bytes
+    assert isinstance(got[-1], str), got[-1]  # a compile error, not bytes
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # On a GPU: the portable path's numbers
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 64, 256])
 def test_portable_gemm_cuda(monkeypatch, M):
-    """With the switch on (on an H100: the path an A100 or RTX 4090 takes), the NVFP4 GEMM at the 7B qkv shape
-    against the fp32 reference, within one bf16 rounding plus fp32 accumulation in another order; and the same bits
-    as the full path wherever both run the Triton kernel (Hopper's PTX and the portable one agree)."""
+    """With the switch on (on an H100: the path an A100 or RTX 4090 takes), the NVFP4 GEMM at the 7B
+    qkv shape against the fp32 reference, within one bf16 rounding plus fp32 accumulation in another
+    order; and the same bits as the full path wherever both run the Triton kernel (Hopper's PTX and
+    the portable one agree)."""
     N, Kd = 4608, 3584
     w = make_weight(N, Kd, device="cuda", seed=M)
     x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
@@ -156,7 +170,8 @@ def test_portable_gemm_cuda(monkeypatch, M):
     y = K.nvfp4_mm(x, w)
     W = K.dequantize_ref(w)
     y32 = x.float() @ W.t()
-    tol = 2.0 ** -8 * y32.abs() + 4 * Kd ** 0.5 * 2.0 ** -24 * (x.float().abs() @ W.abs().t()) + 1e-30
+    tol = (2.0 ** -8 * y32.abs()
+           + 4 * Kd ** 0.5 * 2.0 ** -24 * (x.float().abs() @ W.abs().t()) + 1e-30)
     assert ((y.float() - y32).abs() <= tol).all()
     if full_path == "triton" and torch.cuda.get_device_capability() == (9, 0):
         assert torch.equal(y, full)

@@ -1,6 +1,6 @@
-"""pretrain.py, tasks/arith.py and the shipped models/arith-cpu: the task and its split, the tokenizer, a short run that
-learns, the shipped checkpoint in every client (transformers, model.py, quantize.py + compressed-tensors, peft), its
-sha256 and accuracy band, and bad input. On CPU."""
+"""pretrain.py, tasks/arith.py and the shipped models/arith-cpu: the task and its split, the
+tokenizer, a short run that learns, the shipped checkpoint in every client (transformers, model.py,
+quantize.py + compressed-tensors, peft), its sha256 and accuracy band, and bad input. On CPU."""
 import hashlib
 import json
 import random
@@ -25,18 +25,20 @@ def tok():
     return AutoTokenizer.from_pretrained(SHIPPED)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The task
 
 def test_split_is_a_hash_of_the_unordered_pair():
     for a, b in [(4738, 2591), (1000, 9999), (12, 7)]:
         lo, hi = sorted((a, b))
-        h = int(hashlib.sha256(f"{lo}+{hi}".encode()).hexdigest()[:16], 16)  # the rule, written out independently
+        # the rule, written out independently
+        h = int(hashlib.sha256(f"{lo}+{hi}".encode()).hexdigest()[:16], 16)
         assert arith.split_of(a, b) == arith.split_of(b, a) == ("test" if h % 100 < 10 else "train")
 
 
 def test_train_and_test_rows_never_overlap():
-    train = {frozenset((r["a"], r["b"])) for seed in (0, 1) for r in arith.rows(5000, seed, "train")}
+    train = {frozenset((r["a"], r["b"])) for seed in (0, 1)
+             for r in arith.rows(5000, seed, "train")}
     test = {frozenset((r["a"], r["b"])) for r in arith.rows(3000, 123, "test")}
     assert len(train) > 9000 and len(test) > 2000
     assert not train & test
@@ -48,7 +50,8 @@ def test_train_and_test_rows_never_overlap():
 
 
 def test_test_rows_do_not_depend_on_the_seed():
-    assert [r["question"] for r in arith.rows(20, 0, "test")] == [r["question"] for r in arith.rows(20, 7, "test")]
+    assert ([r["question"] for r in arith.rows(20, 0, "test")]
+            == [r["question"] for r in arith.rows(20, 7, "test")])
 
 
 @pytest.mark.parametrize("a, b, slip, text, value", [
@@ -74,7 +77,7 @@ def test_strict_checker(response, correct, formatted):
     assert arith.check(response, "7329") == (correct, formatted)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The shipped model
 
 def test_shipped_sha256_and_recipe():
@@ -86,15 +89,18 @@ def test_shipped_sha256_and_recipe():
     assert sum(p.stat().st_size for p in SHIPPED.iterdir()) <= 5 * 2**20
     assert recipe["command"].startswith("python pretrain.py --preset cpu") and recipe["seed"] == 0
     m = recipe["metrics"]
-    assert 0.2 <= m["sampled_accuracy"] <= 0.5 and m["sampled_format_rate"] >= 0.9, m  # the headroom band
+    # the headroom band
+    assert 0.2 <= m["sampled_accuracy"] <= 0.5 and m["sampled_format_rate"] >= 0.9, m
 
 
 def test_shipped_tokenizer_chat_template_and_stops(tok):
-    assert type(tok).__name__ == "TokenizersBackend"  # our tokenizer.json as saved, not a rebuilt byte-level one
+    # our tokenizer.json as saved, not a rebuilt byte-level one
+    assert type(tok).__name__ == "TokenizersBackend"
     ids = data.prompt_token_ids(tok, "What is 4738+2591?")
     assert tok.decode(ids) == tokenizer.chat_text("What is 4738+2591?")
     assert tok.convert_ids_to_tokens(ids[-3:]) == ["<|im_start|>", "assistant", "\n"]
-    assert [t for t in tok.convert_ids_to_tokens(ids) if t.isdigit()] == list("47382591")  # a digit is a token
+    # a digit is a token
+    assert [t for t in tok.convert_ids_to_tokens(ids) if t.isdigit()] == list("47382591")
     gen = json.loads((SHIPPED / "generation_config.json").read_text())
     assert gen["eos_token_id"][0] == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.convert_tokens_to_ids("<|endoftext|>") in gen["eos_token_id"]
@@ -111,7 +117,8 @@ def test_shipped_logits_match_model_py(tok):
     from transformers import AutoModelForCausalLM
 
     import model as M
-    ids = torch.tensor([data.prompt_token_ids(tok, "What is 4738+2591?") + tok("8+1=9 9\n")["input_ids"]])
+    ids = torch.tensor([data.prompt_token_ids(tok, "What is 4738+2591?")
+                        + tok("8+1=9 9\n")["input_ids"]])
     ref = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()(ids).logits
     ours = M.Model.from_pretrained(str(SHIPPED), dtype=torch.float32)
     with torch.no_grad():
@@ -129,16 +136,19 @@ def test_shipped_quantizes_and_loads_in_compressed_tensors(tmp_path, tok):
     out = tmp_path / "arith-cpu-nvfp4"
     Q.quantize_checkpoint(str(SHIPPED), str(out), progress=False)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization_config"]["ignore"] == ["lm_head"]  # every linear is a multiple of 16: all quantized
+    # every linear is a multiple of 16: all quantized
+    assert config["quantization_config"]["ignore"] == ["lm_head"]
     sd = load_file(out / "model.safetensors")
     scheme = QuantizationScheme(**config["quantization_config"]["config_groups"]["group_0"])
     prefixes = sorted({k[:-len(".weight_packed")] for k in sd if k.endswith(".weight_packed")})
     assert len(prefixes) == 7 * config["num_hidden_layers"]
     for p in prefixes:
-        parts = {k: sd[f"{p}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        parts = {k: sd[f"{p}.{k}"]
+                 for k in ("weight_packed", "weight_scale", "weight_global_scale")}
         theirs = NVFP4PackedCompressor.decompress(parts, scheme)["weight"]
         assert torch.equal(theirs, Q.dequantize_weight(*parts.values(), dtype=theirs.dtype)), p
-    deq = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
+    deq = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=CompressedTensorsConfig(dequantize=True))
     ids = torch.tensor([data.prompt_token_ids(tok, "What is 4738+2591?")])
     with torch.no_grad():
         assert torch.isfinite(deq(ids).logits).all()
@@ -164,25 +174,29 @@ def test_shipped_adapter_loads_in_peft(tmp_path, tok):
         assert (got - peft_m(ids).logits).abs().max().item() <= 1e-4
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # pretrain.py runs
 
-# two-digit sums, no slips, a 0.3M-parameter model: learns the procedure in about 300 steps (~40 s of one core)
-TINY = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2", "--num-heads", "4",
-        "--num-kv-heads", "2", "--digits", "2", "--slip", "0", "--batch-size", "32", "--lr", "5e-3",
-        "--warmup-steps", "20", "--eval-prompts", "32", "--final-prompts", "32", "--max-new-tokens", "32",
-        "--threads", "1", "--qat-from", "0.9"]
+# two-digit sums, no slips, a 0.3M-parameter model: learns the procedure in about 300 steps (~40 s
+# of one core)
+TINY = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2",
+        "--num-heads", "4", "--num-kv-heads", "2", "--digits", "2", "--slip", "0",
+        "--batch-size", "32", "--lr", "5e-3", "--warmup-steps", "20", "--eval-prompts", "32",
+        "--final-prompts", "32", "--max-new-tokens", "32", "--threads", "1", "--qat-from", "0.9"]
 
 
 def test_pretrain_learns(tmp_path):
     out = tmp_path / "tiny"
-    assert pretrain.main(TINY + ["--out", str(out), "--steps", "300", "--eval-every", "1000"]) == 0  # evals: 0, end
+    # evals: 0, end
+    assert pretrain.main(TINY + ["--out", str(out), "--steps", "300", "--eval-every", "1000"]) == 0
     recipe = json.loads((out / "recipe.json").read_text())
     first, m = recipe["history"][0], recipe["metrics"]
-    assert first["step"] == 0 and first["greedy"] == 0.0 and first["heldout_loss"] > 4.0  # about ln(vocab) at init
+    # about ln(vocab) at init
+    assert first["step"] == 0 and first["greedy"] == 0.0 and first["heldout_loss"] > 4.0
     assert m["heldout_loss"] < 0.1 * first["heldout_loss"]
     assert m["greedy_accuracy"] >= 0.25 and m["nvfp4_greedy_accuracy"] >= 0.25, m
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(recipe["sha256"])
+    assert ({"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+            <= set(recipe["sha256"]))
 
 
 @pytest.mark.parametrize("args, msg", [
@@ -200,10 +214,12 @@ def test_bad_input(tmp_path, capsys, args, msg):
 
 
 def test_gpu_preset_runs_at_a_tiny_scale(tmp_path):
-    """The gpu preset's model (>= 20M parameters) builds and trains; only the step count and batch are cut here."""
+    """The gpu preset's model (>= 20M parameters) builds and trains; only the step count and batch
+    are cut here."""
     out = tmp_path / "gpu"
     assert pretrain.main(["--preset", "gpu", "--out", str(out), "--steps", "2", "--batch-size", "4",
-                          "--eval-every", "0", "--final-prompts", "2", "--max-new-tokens", "4", "--threads", "1"]) == 0
+                          "--eval-every", "0", "--final-prompts", "2", "--max-new-tokens", "4",
+                          "--threads", "1"]) == 0
     recipe = json.loads((out / "recipe.json").read_text())
     assert recipe["metrics"]["parameters"] >= 20_000_000 and recipe["config"]["hidden_size"] == 512
     config = json.loads((out / "config.json").read_text())
@@ -216,7 +232,8 @@ def test_existing_output_folder_is_refused_and_untouched(tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     assert pretrain.main(["--out", str(out), "--steps", "1"]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "keep.txt").read_text() == "mine"
+    assert ([p.name for p in tmp_path.iterdir()] == ["model"]
+            and (out / "keep.txt").read_text() == "mine")
 
 
 def test_interrupted_run_leaves_nothing(tmp_path, monkeypatch):

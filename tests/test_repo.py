@@ -8,8 +8,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def readme_commands() -> list[str]:
     """The commands of README's "Two commands" block, comments dropped."""
-    block = re.search(r"## Two commands\s+```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
-    return [line.strip() for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    block = re.search(r"## Two commands\s+```bash\n(.*?)```", (ROOT / "README.md").read_text(),
+                      re.S).group(1)
+    return [line.strip() for line in block.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_ci_runs_the_readme_test_command():
@@ -22,7 +24,8 @@ def test_ci_runs_the_readme_test_command():
 
 def test_readme_commands_name_existing_files():
     for cmd in readme_commands():
-        for script in re.findall(r"\b([\w./-]+\.(?:py|sh))\b", cmd) + re.findall(r"(tests/\w+\.py)", cmd):
+        for script in (re.findall(r"\b([\w./-]+\.(?:py|sh))\b", cmd)
+                       + re.findall(r"(tests/\w+\.py)", cmd)):
             assert (ROOT / script).exists(), f"README runs {script}, which is not in the repository"
 
 
@@ -53,16 +56,18 @@ def test_every_readme_command_names_what_exists():
     checked = 0
     for cmd in all_readme_commands():
         words = cmd.split()
-        if "-m" in words and words[words.index("-m") + 1] == "bench":        # python -m bench <what>
+        if "-m" in words and words[words.index("-m") + 1] == "bench":  # python -m bench <what>
             rest = words[words.index("-m") + 2:]
             if not rest or rest[0].startswith("<"):
                 continue
             what = rest[0]
-            assert f'"{what}"' in bench_main, f"README runs python -m bench {what}: no such subcommand"
+            assert f'"{what}"' in bench_main, (
+                f"README runs python -m bench {what}: no such subcommand")
             sources = [bench_main] + ([(ROOT / own[what]).read_text()] if what in own else [])
             flags = [w.split("=")[0] for w in rest[1:] if w.startswith("--")]
-        elif "-m" in words and words[words.index("-m") + 1] not in ("pytest", "torch.distributed.run"):
-            module = words[words.index("-m") + 1]                          # python -m tasks.data ...
+        elif ("-m" in words
+              and words[words.index("-m") + 1] not in ("pytest", "torch.distributed.run")):
+            module = words[words.index("-m") + 1]                      # python -m tasks.data ...
             path = ROOT / (module.replace(".", "/") + ".py")
             assert path.exists(), f"README runs python -m {module}, which is not in the repository"
             sources = [path.read_text()]
@@ -70,12 +75,13 @@ def test_every_readme_command_names_what_exists():
         else:
             scripts = [w for w in words if re.fullmatch(r"[\w./-]+\.(py|sh)", w)]
             for script in scripts:
-                assert (ROOT / script).exists(), f"README runs {script}, which is not in the repository"
+                assert (ROOT / script).exists(), (
+                    f"README runs {script}, which is not in the repository")
             if not scripts or not scripts[0].endswith(".py"):
                 continue
             script = scripts[0]
             sources = [(ROOT / script).read_text()]
-            if "trainer.config" in sources[0]:        # train.py's flags (the ablation passes them on)
+            if "trainer.config" in sources[0]:  # train.py's flags (the ablation passes them on)
                 sources.append((ROOT / "trainer/config.py").read_text())
             flags = [w.split("=")[0] for w in words[words.index(script) + 1:] if w.startswith("--")]
         for flag in flags:

@@ -1,5 +1,6 @@
-"""rollout.py: the built-in engine against step-by-step decoding with model.py, its logprobs against the model's
-log-softmax, stops, lengths, n > 1, mixed prompt lengths, seeding, AQN, and bad input. CPU (and CUDA if present)."""
+"""rollout.py: the built-in engine against step-by-step decoding with model.py, its logprobs against
+the model's log-softmax, stops, lengths, n > 1, mixed prompt lengths, seeding, AQN, and bad input.
+CPU (and CUDA if present)."""
 import pytest
 import torch
 
@@ -11,7 +12,8 @@ import noise
 import quantize as Q
 import rollout as R
 
-PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
+PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264],
+           [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -20,16 +22,19 @@ def models(make_checkpoint, tmp_path_factory):
     src = make_checkpoint("qwen2", dtype=torch.float32)
     q = tmp_path_factory.mktemp("q") / "nvfp4"
     Q.quantize_checkpoint(str(src), str(q), progress=False)
-    return {"fp32": M.Model.from_pretrained(src, DEV, torch.float32), "nvfp4": M.Model.from_pretrained(q, DEV, torch.float32),
+    return {"fp32": M.Model.from_pretrained(src, DEV, torch.float32),
+            "nvfp4": M.Model.from_pretrained(q, DEV, torch.float32),
             "bf16": M.Model.from_pretrained(src, DEV, torch.bfloat16)}
 
 
 def is_greedy(m, prompt, tokens, tol):
-    """Every token is the argmax of the model's logits given its prefix (up to `tol`: a batched GEMM may round
-    differently from a single-row one, which can flip a near tie)."""
+    """Every token is the argmax of the model's logits given its prefix (up to `tol`: a batched GEMM
+    may round differently from a single-row one, which can flip a near tie)."""
     ids = torch.tensor([prompt + tokens], device=DEV)
     with torch.no_grad():
-        z = m.logits(m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0, len(prompt) - 1:-1]).float()
+        z = m.logits(
+            m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool))[0, len(prompt) - 1:-1]
+        ).float()
     return bool((z.gather(-1, ids[0, len(prompt):, None])[:, 0] >= z.max(-1).values - tol).all())
 
 
@@ -41,7 +46,8 @@ def test_greedy_equals_step_by_step_argmax(models, kind):
     assert [s.prompt_idx for s in out] == [0, 0, 1, 1, 2, 2]  # group-major
     tol = 1e-3 if kind == "nvfp4" else 0.1  # bf16 logits are rounded to 2^-8 relative
     for s in out:
-        assert len(s.tokens) == 12 and s.finish_reason == "length" and is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol)
+        assert (len(s.tokens) == 12 and s.finish_reason == "length"
+                and is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol))
         if DEV == "cpu":  # the same arithmetic as model.greedy: exactly its tokens
             assert s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 12)
 
@@ -57,7 +63,8 @@ def recompute_logprobs(m, prompt, tokens, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_equal_model_log_softmax(models, temperature):
     m = models["nvfp4"]
-    out = R.Engine(m, max_batch=4, max_len=64).generate(PROMPTS, n=3, max_new_tokens=10, temperature=temperature, seed=1)
+    out = R.Engine(m, max_batch=4, max_len=64).generate(PROMPTS, n=3, max_new_tokens=10,
+                                                        temperature=temperature, seed=1)
     for s in out:
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, temperature)
         assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4), (s.logprobs, ref)
@@ -66,10 +73,11 @@ def test_sampled_logprobs_equal_model_log_softmax(models, temperature):
 @pytest.mark.parametrize("race", [True, False])
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])
 def test_sampler_draws_from_the_distribution_it_reports(temperature, top_k, race):
-    """40000 draws from one row of logits, by the exponential race and by the inverse CDF: token frequencies match
-    exp(logprob) within 5 standard errors (a biased sampler, e.g. argmax of p * e instead of p / e, is off by far
-    more), and every draw's logprob is its token's."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=DEV).repeat(40000, 1)  # (draws, V)
+    """40000 draws from one row of logits, by the exponential race and by the inverse CDF: token
+    frequencies match exp(logprob) within 5 standard errors (a biased sampler, e.g. argmax of p * e
+    instead of p / e, is off by far more), and every draw's logprob is its token's."""
+    logits = (torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=DEV)
+              .repeat(40000, 1))  # (draws, V)
     gen = torch.Generator(device=DEV).manual_seed(0)
     tok, lp = R.sample_tokens(logits, temperature, 1.0, top_k, gen, race=race)
     z = logits[0] / temperature
@@ -78,7 +86,8 @@ def test_sampler_draws_from_the_distribution_it_reports(temperature, top_k, race
     p = torch.softmax(z, -1)                                                   # (V,)
     freq = torch.bincount(tok, minlength=6).float() / tok.numel()
     se = (p * (1 - p) / tok.numel()).sqrt()
-    print(f"sampler race={race} T={temperature} top_k={top_k}: freq {freq.tolist()} vs p {p.tolist()}")
+    print(f"sampler race={race} T={temperature} top_k={top_k}: "
+          f"freq {freq.tolist()} vs p {p.tolist()}")
     assert ((freq - p).abs() <= 5 * se + 1e-9).all()
     assert torch.allclose(lp, p.log()[tok])
 
@@ -88,27 +97,36 @@ def test_top_k_and_top_p_restrict_and_renormalise(models):
     eng = R.Engine(m, max_batch=8, max_len=64)
     greedy = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, stop_token_ids=[])
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
-        out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, stop_token_ids=[], seed=3, **kw)
+        out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, stop_token_ids=[], seed=3,
+                           **kw)
         assert [s.tokens for s in out] == [s.tokens for s in greedy]
-        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)  # a one-token set has probability 1
-    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, top_k=5, stop_token_ids=[], seed=3)
-    for s in out:  # log-probs under the renormalised top-5 distribution are >= those of the full softmax
+        # a one-token set has probability 1
+        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)
+    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=1.0, top_k=5, stop_token_ids=[],
+                       seed=3)
+    # log-probs under the renormalised top-5 distribution are >= those of the full softmax
+    for s in out:
         full = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
-        assert (torch.tensor(s.logprobs) >= full - 1e-5).all() and (torch.tensor(s.logprobs) > full + 1e-4).any()
+        assert ((torch.tensor(s.logprobs) >= full - 1e-5).all()
+                and (torch.tensor(s.logprobs) > full + 1e-4).any())
 
 
 def test_stop_tokens_lengths_and_compaction(models):
     m = models["fp32"]
-    free = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10, temperature=0.0, stop_token_ids=[])
-    stop = free[1].tokens[3]  # prompt 1 stops by its 4th token; the others may stop elsewhere or run to the limit
-    out = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10, temperature=0.0, stop_token_ids=[stop])
+    free = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10,
+                                                         temperature=0.0, stop_token_ids=[])
+    # prompt 1 stops by its 4th token; the others may stop elsewhere or run to the limit
+    stop = free[1].tokens[3]
+    out = R.Engine(m, max_batch=8, max_len=64).generate(PROMPTS, max_new_tokens=10,
+                                                        temperature=0.0, stop_token_ids=[stop])
     for f, s in zip(free, out):
         if stop in f.tokens:
             cut = f.tokens.index(stop) + 1
             assert s.tokens == f.tokens[:cut] and s.finish_reason == "stop"
         else:
             assert s.tokens == f.tokens and s.finish_reason == "length" and len(s.tokens) == 10
-    assert out[1].finish_reason == "stop" and len(out[1].tokens) == free[1].tokens.index(stop) + 1 <= 4
+    assert (out[1].finish_reason == "stop"
+            and len(out[1].tokens) == free[1].tokens.index(stop) + 1 <= 4)
 
 
 def test_seeding_reproduces(models):
@@ -124,7 +142,8 @@ def test_seeding_reproduces(models):
 def test_batches_larger_than_max_batch(models):
     eng = R.Engine(models["fp32"], max_batch=2, max_len=64)
     out = eng.generate(PROMPTS, n=2, max_new_tokens=5, temperature=0.0, stop_token_ids=[])
-    assert len(out) == 6 and all(s.tokens == M.greedy(models["fp32"], PROMPTS[s.prompt_idx], 5) for s in out)
+    assert len(out) == 6 and all(s.tokens == M.greedy(models["fp32"], PROMPTS[s.prompt_idx], 5)
+                                 for s in out)
 
 
 def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
@@ -135,8 +154,8 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     noisy = eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5, noise=z)
     assert [s.logprobs for s in clean] != [s.logprobs for s in noisy]
     # the noise lives in the call: the next call without it is the clean policy again
-    assert [s.logprobs for s in eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)] == \
-        [s.logprobs for s in clean]
+    assert ([s.logprobs for s in eng.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=5)]
+            == [s.logprobs for s in clean])
     params = lora.add_lora(m, rank=4, alpha=8)
     with torch.no_grad():
         for p in params[1::2]:
@@ -145,11 +164,13 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in adapted)
     with torch.no_grad():
         for p in params[1::2]:
-            p.normal_(0, 0.5)  # another step: the snapshot is refreshed in place (captured graphs keep it)
+            # another step: the snapshot is refreshed in place (captured graphs keep it)
+            p.normal_(0, 0.5)
     again = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
     assert [s.tokens for s in again] != [s.tokens for s in adapted]
     assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in again)
-    assert all(lin.snap is None for _, lin in m.linears())  # outside generate the trainer's path is untouched
+    # outside generate the trainer's path is untouched
+    assert all(lin.snap is None for _, lin in m.linears())
     with lora.disabled(m):
         base = eng.generate(PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
         assert all(s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 8) for s in base)
@@ -159,22 +180,27 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
 
 
 def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch):
-    """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU): generation adds the
-    adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with torch ops. Greedy tokens must be
-    argmaxes of the trainer's logits (up to near ties) and the engine's logprobs equal the trainer's log-softmax."""
+    """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU):
+    generation adds the adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with
+    torch ops. Greedy tokens must be argmaxes of the trainer's logits (up to near ties) and the
+    engine's logprobs equal the trainer's log-softmax."""
     monkeypatch.setattr(kernels, "CPU_TRITON", True)
-    Q.quantize_checkpoint(str(make_checkpoint("qwen2", dtype=torch.float32)), str(tmp_path / "q"), progress=False)
+    Q.quantize_checkpoint(str(make_checkpoint("qwen2", dtype=torch.float32)), str(tmp_path / "q"),
+                          progress=False)
     m = M.Model.from_pretrained(tmp_path / "q", DEV, torch.bfloat16)
     params = lora.add_lora(m, rank=4, alpha=8)
     with torch.no_grad():
         for p in params[1::2]:
             p.normal_(0, 0.5)
     calls = []
-    monkeypatch.setattr(kernels, "nvfp4_mm",
-                        lambda *a, **k: calls.append((k.get("lora") is not None, k.get("gated", 0))) or K_mm(*a, **k))
+    monkeypatch.setattr(
+        kernels, "nvfp4_mm",
+        lambda *a, **k: (calls.append((k.get("lora") is not None, k.get("gated", 0)))
+                         or K_mm(*a, **k)))
     eng = R.Engine(m, max_batch=4, max_len=64)
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
-    assert all(lo for lo, _ in calls) and any(g for _, g in calls)  # the epilogue path ran, SiLU x up in gate_up's
+    # the epilogue path ran, SiLU x up in gate_up's
+    assert all(lo for lo, _ in calls) and any(g for _, g in calls)
     for s in out:
         assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol=0.1)
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
@@ -206,8 +232,9 @@ def test_bad_input(models):
 
 
 def test_attention_over_growing_kv_buckets(models, monkeypatch):
-    """Decode reads only the used cache slots, rounded up to KV_BLOCK: with 8-slot blocks a 12-token generation
-    crosses several blocks (and on CUDA several graphs); tokens and log-probs must not notice."""
+    """Decode reads only the used cache slots, rounded up to KV_BLOCK: with 8-slot blocks a 12-token
+    generation crosses several blocks (and on CUDA several graphs); tokens and log-probs must not
+    notice."""
     monkeypatch.setattr(R, "KV_BLOCK", 8)
     m = models["nvfp4"]
     eng = R.Engine(m, max_batch=4, max_len=64)
@@ -215,7 +242,8 @@ def test_attention_over_growing_kv_buckets(models, monkeypatch):
         assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, 1e-3)
         if DEV == "cpu":
             assert s.tokens == M.greedy(m, PROMPTS[s.prompt_idx], 12)
-    for s in eng.generate(PROMPTS, n=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[], seed=2):
+    for s in eng.generate(PROMPTS, n=2, max_new_tokens=12, temperature=1.0, stop_token_ids=[],
+                          seed=2):
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0)
         assert torch.allclose(torch.tensor(s.logprobs), ref.cpu(), atol=1e-4)
     if DEV == "cuda":

@@ -1,6 +1,7 @@
-"""train.py as a new user meets it: every common mistake is one line on stderr (no traceback, exit code 2, nothing
-written), Ctrl-C names the checkpoint and the resume command, resume extends or refuses by name, and run folders
-are safe to share (usual permissions, no leftovers, a state file that cannot run code)."""
+"""train.py as a new user meets it: every common mistake is one line on stderr (no traceback, exit
+code 2, nothing written), Ctrl-C names the checkpoint and the resume command, resume extends or
+refuses by name, and run folders are safe to share (usual permissions, no leftovers, a state file
+that cannot run code)."""
 import json
 import os
 import shutil
@@ -51,8 +52,17 @@ def broken_models(tmp_path_factory):
     return dict(truncated=cut, badconfig=bad)
 
 
-@pytest.mark.parametrize("case", ["missing", "hub_offline", "truncated", "badconfig", "cuda", "save_every",
-                                  "plot", "data_without_task", "zero_steps"])
+@pytest.mark.parametrize("case", [
+    "missing",
+    "hub_offline",
+    "truncated",
+    "badconfig",
+    "cuda",
+    "save_every",
+    "plot",
+    "data_without_task",
+    "zero_steps",
+])
 def test_common_mistakes_are_one_line(tmp_path, broken_models, case):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
@@ -82,7 +92,8 @@ def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path):
     p = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=full,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
-    while not (out / "checkpoints" / "latest").exists() and time.time() < deadline and p.poll() is None:
+    while (not (out / "checkpoints" / "latest").exists() and time.time() < deadline
+           and p.poll() is None):
         time.sleep(0.5)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
@@ -134,7 +145,8 @@ def test_run_folders_have_the_usual_permissions(finished_run):
     mask = os.umask(0)
     os.umask(mask)
     want = 0o777 & ~mask
-    for p in (finished_run, finished_run / "checkpoints", finished_run / "checkpoints" / "step_000002",
+    for p in (finished_run, finished_run / "checkpoints",
+              finished_run / "checkpoints" / "step_000002",
               finished_run / "checkpoints" / "step_000002" / "adapter"):
         assert p.stat().st_mode & 0o777 == want, p
 

