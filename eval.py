@@ -8,14 +8,14 @@ model we load.
     torchrun --nproc_per_node=4 eval.py --model DIR --task math500 --num-samples 4 \\
         --temperature 0.6                                                          # 4 GPUs
 
-Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for
-k = 1, 2, 4, ... <= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and
-the mean response length. Writes `samples.jsonl` (every prompt, response, extracted answer and
-score) and `summary.json` to --out. Uses the same prompts, answer extraction and fail-closed
-scoring as training (tasks/data.py, tasks/rewards.py). Sample k of row j is drawn with seed --seed + j * n + k (the
-engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
-processes share the rows: under torchrun (util/dist.py) each rank evaluates a contiguous share of the
-rows with the built-in engine on its GPU, and rank 0 merges them into the same files and numbers
+Reports pass@1 (the mean over n samples per prompt) with a 95% interval over prompts, pass@k for k =
+1, 2, 4, ... <= n (the unbiased estimator 1 - C(n-c, k) / C(n, k)), the parse-failure rate and the
+mean response length. Writes `samples.jsonl` (every prompt, response, extracted answer and score)
+and `summary.json` to --out. Uses the same prompts, answer extraction and fail-closed scoring as
+training (tasks/data.py, tasks/rewards.py). Sample k of row j is drawn with seed --seed + j * n + k
+(the engines' per-sample streams), so the results do not depend on --batch-prompts or on how many
+processes share the rows: under torchrun (util/dist.py) each rank evaluates a contiguous share of
+the rows with the built-in engine on its GPU, and rank 0 merges them into the same files and numbers
 one process writes.
 
 Leaves out: majority voting, LLM judges, multiple-choice letter matching, code tasks.
@@ -43,8 +43,8 @@ from util import dist, fsutil
 
 def make_engine(kind: str, model=None, model_dir: str | None = None, **kw):
     """The engine a caller chose: 'builtin' (rollout.Engine over a loaded Model) or 'vllm'
-    (vllm_backend/engine.VLLMEngine over a checkpoint folder). The choice lives here, above both engines,
-    so neither engine module imports the other."""
+    (vllm_backend/engine.VLLMEngine over a checkpoint folder). The choice lives here, above both
+    engines, so neither engine module imports the other."""
     if kind == "builtin":
         return rollout.Engine(model, **kw)
     if kind == "vllm":
@@ -71,8 +71,8 @@ def evaluate(engine, tokenizer, rows, n: int = 1, temperature: float = 0.0, top_
 
     stop_ids: the tokens that end a response; None: data.stop_token_ids for the folder the
     tokenizer was read from.
-    ctx (util/dist.py): this rank evaluates its share of the rows; every rank returns the summary of all
-    rows; rank 0 writes the files."""
+    ctx (util/dist.py): this rank evaluates its share of the rows; every rank returns the summary of
+    all rows; rank 0 writes the files."""
     from tqdm import tqdm
 
     t0 = time.time()
@@ -165,7 +165,8 @@ def main(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     ap.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per response")
     ap.add_argument("--limit", type=int, default=None, help="evaluate only the first N rows")
-    ap.add_argument("--fmt", default="boxed", choices=rewards.FORMATS, help="prompt / answer format")
+    ap.add_argument("--fmt", default="boxed", choices=rewards.FORMATS,
+                    help="prompt / answer format")
     ap.add_argument("--engine", default="builtin", choices=["builtin", "vllm"],
                     help="rollout backend")
     ap.add_argument("--batch-prompts", type=int, default=32, help="prompts per generate call")

@@ -6,10 +6,11 @@ PEFT format.
 y = base(x) + (dropout(x) @ A^T) @ B^T * alpha / r on every targeted linear (layers/linear.Linear
 holds A (r, in) and B (out, r) as fp32 parameters; layers/linear.py has the product, run in the
 activations' dtype). The functions work on any model whose linears() lists them; only the command
-line loads a model.py Model. B starts at zero, A like PEFT (Kaiming uniform), so a fresh adapter changes nothing. Disabling the
-adapters gives the reference policy for the KL term at no memory cost. Files: adapter_config.json +
-adapter_model.safetensors with PEFT's tensor names (base_model.model.<module>.lora_A.weight), so
-peft.PeftModel and vLLM's LoRA loader read ours and we read theirs.
+line loads a model.py Model. B starts at zero, A like PEFT (Kaiming uniform), so a fresh adapter
+changes nothing. Disabling the adapters gives the reference policy for the KL term at no memory
+cost. Files: adapter_config.json + adapter_model.safetensors with PEFT's tensor names
+(base_model.model.<module>.lora_A.weight), so peft.PeftModel and vLLM's LoRA loader read ours and we
+read theirs.
 
 Leaves out: every PEFT LoRA option beyond plain LoRA (DoRA, rsLoRA, per-module ranks or alphas, some
 layers only, bias training, modules_to_save, PiSSA-style inits that edit the base, ...):

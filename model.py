@@ -4,12 +4,12 @@
 
 One module serves rollout and training: `Model.from_pretrained` loads a bf16 checkpoint, our NVFP4
 checkpoint (quantized linears run through kernels.nvfp4_linear), or a bf16 checkpoint quantized at
-load time with quantize.py's own math; `forward` runs full sequences (training, scoring; optional per-layer gradient
-checkpointing) or writes/reads a KV cache (the rollout engine) through the same layer code. Norms
-run through layers/ops.rms_norm with the AQN noise passed to `forward` ((layers, 2, hidden) or None:
-index 0 feeds q/k/v, 1 feeds gate/up); a decode step (one new token a row) runs
-layers/attention.decode_attention, everything else torch SDPA. `token_logprobs` scores given tokens chunk by chunk, so the (tokens,
-152k) fp32 logits never exist at once.
+load time with quantize.py's own math; `forward` runs full sequences (training, scoring; optional
+per-layer gradient checkpointing) or writes/reads a KV cache (the rollout engine) through the same
+layer code. Norms run through layers/ops.rms_norm with the AQN noise passed to `forward` ((layers,
+2, hidden) or None: index 0 feeds q/k/v, 1 feeds gate/up); a decode step (one new token a row) runs
+layers/attention.decode_attention, everything else torch SDPA. `token_logprobs` scores given tokens
+chunk by chunk, so the (tokens, 152k) fp32 logits never exist at once.
 
 Leaves out: sliding-window attention, MoE, rope types other than default and llama3, tensor
 parallelism.

@@ -7,8 +7,8 @@ the LoRA weights, under torchrun too.
 The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
 file decides which sequences go into which optimizer step, and with which learning rate (the
 schedule of trainer/schedule.py, set before every optimizer step).
-Under torchrun (util/dist.py) each rank holds only its own groups' sequences, but the shuffle and the
-minibatch split run over the global batch and every loss is divided by the minibatch's global
+Under torchrun (util/dist.py) each rank holds only its own groups' sequences, but the shuffle and
+the minibatch split run over the global batch and every loss is divided by the minibatch's global
 token and sequence counts, so the summed gradient is the one-process gradient.
 
 Leaves out: value functions (GRPO needs none), gradient accumulation across steps.

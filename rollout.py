@@ -5,8 +5,9 @@
 
 One interface:
 `engine.generate(prompts, n, max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed,
-noise)` -> a list of Sample (group-major: the n samples of prompt 0 first), each with the completion tokens,
-the engine's log-probability of each sampled token, and the finish reason ("stop" / "length").
+noise)` -> a list of Sample (group-major: the n samples of prompt 0 first), each with the completion
+tokens, the engine's log-probability of each sampled token, and the finish reason ("stop" /
+"length").
 
 Seeding: sample k of prompt i draws from its own random stream, seeded by `seed + i * n + k`
 (vLLM's per-request seeds count the same way), so what a prompt samples never depends on the other
@@ -93,10 +94,10 @@ def sample_tokens(logits, temperature: float, top_p: float, top_k: int, gen: tor
     """logits (B, V) fp32 -> (tokens (B,), logprobs (B,)) under the distribution actually sampled
     from.
 
-    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one read
-    of B x V in chunks, sampler.race_sample; the default on CUDA) and the inverse CDF (one uniform per
-    row and a cumsum over V: cheaper on a CPU, the default there). `race` picks one explicitly
-    (the tests check both)."""
+    Two exact ways to draw from p: the exponential race (argmax p_i / e_i, e_i ~ Exp(1): one read of
+    B x V in chunks, sampler.race_sample; the default on CUDA) and the inverse CDF (one uniform per
+    row and a cumsum over V: cheaper on a CPU, the default there). `race` picks one explicitly (the
+    tests check both)."""
     if temperature <= 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]

@@ -23,11 +23,11 @@ prompt's index by `seeded`, so --resume replays exactly. The run folder holds co
 metrics.jsonl, curves.png (trainer/runlog.py) and checkpoints/ (trainer/checkpoint.py); set-up and
 evaluation are in trainer/prepare.py, the flags in trainer/config.py.
 
-Several GPUs (torchrun, util/dist.py): data parallel by whole prompt groups; --prompts-per-step stays
-global. Each rank rolls out and scores its share of every round with its own engine; no draw
-depends on the rank, DAPO counts kept groups over all ranks, the minibatches are one process's
-under global counts, and the LoRA gradients are summed: N ranks make the one-process update.
-Rank 0 logs and writes checkpoints, which any number of ranks can --resume.
+Several GPUs (torchrun, util/dist.py): data parallel by whole prompt groups; --prompts-per-step
+stays global. Each rank rolls out and scores its share of every round with its own engine; no draw
+depends on the rank, DAPO counts kept groups over all ranks, the minibatches are one process's under
+global counts, and the LoRA gradients are summed: N ranks make the one-process update. Rank 0 logs
+and writes checkpoints, which any number of ranks can --resume.
 
 Leaves out: reward models, value functions, several machines (untested), rebalancing DAPO's kept
 groups across ranks.

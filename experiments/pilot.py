@@ -45,7 +45,6 @@ from pathlib import Path
 import torch
 
 import eval as evaluation
-import model as M
 import noise
 import ppo
 import rollout

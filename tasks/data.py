@@ -16,8 +16,8 @@ What it does
   - Answers and rewards are rewards.py's (callers use rewards.score).
 
 Run it
-  python -m tasks.data --task gsm8k --limit 3                  # show rows and stats
-  python -m tasks.data --task math500 --check                  # score each gold against itself (sanity)
+  python -m tasks.data --task gsm8k --limit 3        # show rows and stats
+  python -m tasks.data --task math500 --check        # score each gold against itself (sanity)
   python -m tasks.data --task math12k --data PATH --tokenizer DIR --fmt think --limit 2
 
 Left out: streaming datasets too large for memory, and dataset mixtures (pass one task at a time).

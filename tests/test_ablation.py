@@ -14,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import ablation_jobs as jobs  # noqa: E402
+import ablation_report as rep  # noqa: E402
 import qerl_ablation as abl  # noqa: E402
 import stats  # noqa: E402
 
@@ -94,8 +96,8 @@ def test_run_measures_from_hand_made_rows():
             {"step": 2, "reward": 0.6, "accuracy": 0.5, "entropy": 0.7, "eval_accuracy": 0.75},
             {"step": 3, "eval_accuracy": 1.0}]
     post = {"entropy_probe": 1.25, "pass_at_k": {"3": {"pass@1": 0.5, "pass@2": 0.75}}}
-    m = stats.run_measures(3, rows, {0: 0.0, 3: 1.0}, post, thr_greedy=0.5, thr_sampled=0.35,
-                           window=2)
+    m = rep.run_measures(3, rows, {0: 0.0, 3: 1.0}, post, thr_greedy=0.5, thr_sampled=0.35,
+                         window=2)
     assert m["reward"] == [0.2, 0.4, 0.6] and m["reward_auc"] == pytest.approx(0.4)
     assert (m["acc_auc"] == pytest.approx(0.3) and m["final_acc"] == 1.0
             and m["entropy0_trainer"] == 0.9)
@@ -103,6 +105,10 @@ def test_run_measures_from_hand_made_rows():
             and m["tis_capped"] == pytest.approx(0.25))
     # trailing means of 2: 0.2 at step 1, 0.4 at step 2
     assert m["steps_greedy"] == 3 and m["steps_sampled"] == 2
+    # pass@k after the last step (step 3): k = 2 is the largest
+    assert m["pass1_final"] == 0.5 and m["passk_final"] == 0.75 and m["k_final"] == 2
+    # first 5 / last 20 steps are all three here; accuracy 0.3 both, no format logged: kept
+    assert m["reward_head"] == pytest.approx(0.4) and m["collapsed"] is False
     assert stats.first_reach([0, 1, 2], [0.1, 0.2, 0.3], 0.9) is None
 
 
@@ -177,12 +183,12 @@ def test_smoke_results_hold_the_runs_numbers(smoke):
         assert g["final_acc"]["n"] == 1 and g["final_acc"]["mean"] == pytest.approx(r["final_acc"])
         # one seed: the band is the curve
         assert g["curves"]["reward"][0] == pytest.approx(r["reward"])
-        assert (g["pass_at_k"]["0"]["pass@2"]["mean"]
-                == pytest.approx(post["pass_at_k"]["0"]["pass@2"]))
+        assert g["pass1_final"]["mean"] == pytest.approx(post["pass_at_k"]["2"]["pass@1"])
+        assert g["planned"] == 1 and g["collapsed"] == []
         assert r["timing"]["attempts"] == 1 and r["timing"]["gpu_seconds"] > 0
         row = next(x for x in md.splitlines()
-                   if x.startswith(f"| {abl.ARMS[arm][0]} | 0.005 | 1 |"))
-        assert f"| {r['reward_auc']:.3f} | {r['acc_auc']:.3f} | {r['final_acc']:.3f} |" in row
+                   if x.startswith(f"| {abl.ARMS[arm][0]} | 0.005 | 1/1 | 0 |"))
+        assert f"| {r['reward_auc']:.3f} | {r['reward_auc']:.3f} | {r['final_acc']:.3f} |" in row
     assert (res["gpu_minutes"]["total"]
             == pytest.approx(sum(res["gpu_minutes"]["per_arm"].values())))
     assert res["gpu_minutes"]["total"] > 0 and res["gpu_minutes"]["held"] > 0
@@ -228,3 +234,117 @@ def test_rerun_skips_then_names_a_broken_run_while_the_other_goes_on(smoke, tmp_
     again = json.loads((exp / "results.json").read_text())
     assert again["runs"][NAMES[0]]["reward_auc"] == res["runs"][NAMES[0]]["reward_auc"]
     assert (exp / "results.md").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning-rate selection, the gain thresholds, collapse, and what a machine brings back
+
+def fake_run(run: Path, rewards: list[float], seed: int, lr: float, format_rate=1.0):
+    """A finished run folder as train.py leaves it: config.json, metrics.jsonl (training rows and
+    the final evaluation's row) and the final evaluation's summary."""
+    run.mkdir(parents=True)
+    steps = len(rewards)
+    (run / "config.json").write_text(json.dumps(dict(
+        steps=steps, model="m", task="t", algo="dapo", prompts_per_step=2, group_size=2,
+        eval_limit=2, eval_every=0, save_every=steps, lr=lr, seed=seed)))
+    rows = [dict(step=s, reward=r, accuracy=r, format_rate=format_rate)
+            for s, r in enumerate(rewards)]
+    rows.append(dict(step=steps, eval_accuracy=0.5))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "eval" / f"step_{steps:06d}").mkdir(parents=True)
+    (run / "eval" / f"step_{steps:06d}" / "summary.json").write_text('{"pass@1": 0.5}')
+    (run / "eval" / f"step_{steps:06d}" / "samples.jsonl").write_text('{"response": "x"}\n')
+
+
+def selection_cfg(exp):
+    return dict(arms=["bf16", "nvfp4"], lrs=[1e-4, 3e-4], select_seeds=[100, 101], seeds=[0],
+                every_lr=[], threshold_greedy=0.5, threshold_sampled=0.3, pass_k_n=4,
+                pass_temperature=1.0, entropy_samples=2, gpus=0, restart_partial=False,
+                train_flags=[], out=str(exp))
+
+
+def test_each_arm_gets_the_lr_of_its_highest_mean_auc_and_verdicts_wait_for_it(tmp_path):
+    exp = tmp_path / "exp"
+    cfg = selection_cfg(exp)
+    # bf16: mean AUC 0.2 at 1e-4 ((0.1 + 0.3) / 2) against 0.25 at 3e-4: 3e-4
+    # nvfp4: 0.25 at both (exact in binary): the tie goes to the smaller, 1e-4
+    aucs = {("bf16", 1e-4): (0.1, 0.3), ("bf16", 3e-4): (0.2, 0.3),
+            ("nvfp4", 1e-4): (0.25, 0.25), ("nvfp4", 3e-4): (0.125, 0.375)}
+    for (arm, lr), pair in aucs.items():
+        for seed, auc in zip((100, 101), pair):
+            fake_run(exp / "runs" / abl.run_name(arm, lr, seed), [auc] * 4, seed, lr)
+    chosen = abl.selection(exp, cfg)
+    assert chosen["bf16"]["lr"] == 3e-4 and chosen["nvfp4"]["lr"] == 1e-4
+    means = chosen["bf16"]["mean_auc"]
+    assert means == {"0.0001": pytest.approx(0.2), "0.0003": pytest.approx(0.25)}
+    verdict = [c for c in abl.cells(exp, cfg) if c[3] == "verdict"]
+    assert verdict == [("bf16", 3e-4, 0, "verdict"), ("nvfp4", 1e-4, 0, "verdict")]
+    # an arm whose selection is unfinished plans no verdict run; --every-lr arms run every lr
+    shutil.rmtree(exp / "runs" / abl.run_name("nvfp4", 3e-4, 101))
+    cfg["every_lr"] = ["bf16"]
+    verdict = [c for c in abl.cells(exp, cfg) if c[3] == "verdict"]
+    assert verdict == [("bf16", 1e-4, 0, "verdict"), ("bf16", 3e-4, 0, "verdict")]
+
+
+def test_claims_compare_each_arm_at_its_own_lr_and_at_equal_lrs():
+    def run(auc):
+        return dict(summary=dict(reward_auc=auc, entropy0=None), timing={})
+    runs = {("bf16", 1e-4, s): run(0.5 + 0.01 * s) for s in range(3)}
+    runs |= {("nvfp4", 3e-4, s): run(0.6 + 0.01 * s) for s in range(3)}
+    runs |= {("nvfp4", 1e-4, s): run(0.4 + 0.01 * s) for s in range(3)}
+    _, claims = rep.compare(runs, ["bf16", "nvfp4"], [1e-4, 3e-4], [0, 1, 2],
+                            best={"bf16": 1e-4, "nvfp4": 3e-4})
+    auc = [c for c in claims if c["measure"] == "reward_auc"]
+    # own: nvfp4 at 3e-4 - bf16 at 1e-4 = +0.1 every seed; equal lr 1e-4: -0.1 every seed
+    assert [c["lr_text"] for c in auc] == ["own (nvfp4 0.0003, bf16 0.0001)", "0.0001"]
+    assert auc[0]["mean"] == pytest.approx(0.1) and auc[1]["mean"] == pytest.approx(-0.1)
+
+
+def test_gain_steps_and_collapse_by_hand(tmp_path):
+    # the reference: first 5 steps 0.1, last 20 steps 0.5: gain 0.4; 50% at 0.3, 90% at 0.46
+    ref = [0.1] * 5 + [0.3] * 15 + [0.5] * 20
+    climbs = [0.1] * 10 + [0.56] * 30
+    flat = [0.1] * 40                          # never
+    runs = {}
+    for key, curve in ((("bf16", 1e-4, 0), ref), (("nvfp4", 1e-4, 0), climbs),
+                       (("nvfp4", 1e-4, 1), flat)):
+        rows = [dict(step=s, reward=r, accuracy=r) for s, r in enumerate(curve)]
+        m = rep.run_measures(40, rows, {}, {}, 0.5, 0.3)
+        runs[key] = dict(summary=m, timing={})
+    gain = rep.gain_steps(runs, ("bf16", 1e-4))
+    assert gain["r0"] == pytest.approx(0.1) and gain["gain"] == pytest.approx(0.4)
+    # the window of 10 ending at step s holds x = 19 - s steps at 0.1 and the rest at 0.56:
+    # s = 13: (6 x 0.1 + 4 x 0.56) / 10 = 0.284; s = 14: (0.5 + 2.8) / 10 = 0.33 >= 0.3
+    assert runs[("nvfp4", 1e-4, 0)]["summary"]["steps_50"] == 14
+    # s = 16: (0.3 + 3.92) / 10 = 0.422; s = 17: (0.2 + 4.48) / 10 = 0.468 >= 0.46
+    assert runs[("nvfp4", 1e-4, 0)]["summary"]["steps_90"] == 17
+    assert runs[("nvfp4", 1e-4, 1)]["summary"]["steps_50"] is None
+    # a fall in accuracy to below half its start, then a fall in format alone, collapse
+    fell = [0.6] * 5 + [0.2] * 20
+    rows = [dict(step=s, reward=r, accuracy=r, format_rate=1.0) for s, r in enumerate(fell)]
+    assert rep.run_measures(25, rows, {}, {}, 0.5, 0.3)["collapsed"] is True
+    rows = [dict(step=s, reward=0.5, accuracy=0.5, format_rate=1.0 if s < 5 else 0.4)
+            for s in range(25)]
+    assert rep.run_measures(25, rows, {}, {}, 0.5, 0.3)["collapsed"] is True
+
+
+def test_pack_keeps_the_numbers_and_no_weights(tmp_path):
+    import tarfile
+    exp = tmp_path / "exp"
+    fake_run(exp / "runs" / "bf16-lr0.0001-s0", [0.1, 0.2], 0, 1e-4)
+    run = exp / "runs" / "bf16-lr0.0001-s0"
+    (run / "checkpoints" / "step_000002" / "adapter").mkdir(parents=True)
+    (run / "checkpoints" / "step_000002" / "state.pt").write_bytes(b"weights")
+    (run / "post.json").write_text("{}")
+    (run / "eval" / "step_000000").mkdir()
+    (run / "eval" / "step_000000" / "samples.jsonl").write_text("{}\n")   # not the last: left out
+    (exp / "config.json").write_text("{}")
+    (exp / "timing").mkdir()
+    (exp / "timing" / "bf16-lr0.0001-s0.json").write_text("{}")
+    path = jobs.pack(exp, tmp_path / "out.tgz")
+    names = sorted(tarfile.open(path).getnames())
+    assert names == ["config.json", "runs/bf16-lr0.0001-s0/config.json",
+                     "runs/bf16-lr0.0001-s0/eval/step_000002/samples.jsonl",
+                     "runs/bf16-lr0.0001-s0/eval/step_000002/summary.json",
+                     "runs/bf16-lr0.0001-s0/metrics.jsonl", "runs/bf16-lr0.0001-s0/post.json",
+                     "timing/bf16-lr0.0001-s0.json"]

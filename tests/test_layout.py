@@ -1,9 +1,11 @@
-"""The repository's layout: the stages at the top level, the helpers in folders, and imports that run one way.
+"""The repository's layout: the stages at the top level, the helpers in folders, and imports that
+run one way.
 
-Every top-level .py file and every file of a folder with an __init__.py is parsed (nothing is imported or run): its
-imports at module level and inside functions, `import x` and `from x import y`, among the repository's own modules,
-make a graph. It must have no cycle; a stage may import only the stages above it in README's file list (directly
-or through the folders it points into), and README's arrows must be the code's.
+Every top-level .py file and every file of a folder with an __init__.py is parsed (nothing is
+imported or run): its imports at module level and inside functions, `import x` and
+`from x import y`, among the repository's own modules, make a graph. It must have no cycle; a stage
+may import only the stages above it in README's file list (directly or through the folders it
+points into), and README's arrows must be the code's.
 """
 import ast
 import re
@@ -12,8 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # The stages in reading order (README, "Files"): the only .py files at the top level
-STAGES = ["quantize", "kernels", "model", "lora", "noise", "rollout", "eval", "grpo", "ppo", "train",
-          "pretrain"]
+STAGES = ["quantize", "kernels", "model", "lora", "noise", "rollout", "eval", "grpo", "ppo",
+          "train", "pretrain"]
 FOLDERS = ["gemm", "layers", "tasks", "trainer", "vllm_backend", "util"]
 
 
@@ -39,11 +41,12 @@ def imports(path: Path, name: str, known: set[str]) -> set[str]:
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:                                   # from . import x, from .common import y
+            if node.level:                               # from . import x, from .common import y
                 up = package[: len(package) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
             found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}  # from bench import sweep: the module bench.sweep
+            # from bench import sweep: the module bench.sweep
+            found |= {f"{base}.{a.name}" for a in node.names}
     return {m for m in found if m in known and m != name}
 
 
@@ -75,7 +78,8 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
 
 
 def all_cycles(g: dict[str, set[str]]) -> list[str]:
-    """Every circle, one by one: each found is written down and its closing edge dropped, until none is left."""
+    """Every circle, one by one: each found is written down and its closing edge dropped, until
+    none is left."""
     g, found = {v: set(ws) for v, ws in g.items()}, []
     while cycle := find_cycle(g):
         found.append(" -> ".join(cycle))
@@ -84,8 +88,9 @@ def all_cycles(g: dict[str, set[str]]) -> list[str]:
 
 
 def stage_arrows(g: dict[str, set[str]]) -> dict[str, tuple[set[str], set[str]]]:
-    """stage -> (the stages it imports, directly or through helper modules, which are followed until a stage;
-    the folders it imports directly, util/ left out since every runnable stage imports util/versions.py)."""
+    """stage -> (the stages it imports, directly or through helper modules, which are followed until
+    a stage; the folders it imports directly, util/ left out since every runnable stage imports
+    util/versions.py)."""
     out = {}
     for s in STAGES:
         stages, seen, todo = set(), set(), [s]
@@ -102,7 +107,8 @@ def stage_arrows(g: dict[str, set[str]]) -> dict[str, tuple[set[str], set[str]]]
 
 
 def readme_arrows() -> dict[str, tuple[set[str], set[str]]]:
-    """The arrows README's file list draws: `<- stages` and `-> folders/`, continuation lines included."""
+    """The arrows README's file list draws: `<- stages` and `-> folders/`, continuation lines
+    included."""
     text = (ROOT / "README.md").read_text()
     block = re.search(r"## Files\n.*?```\n(.*?)```", text, re.S).group(1)
     out, current, side = {}, None, None
@@ -112,46 +118,54 @@ def readme_arrows() -> dict[str, tuple[set[str], set[str]]]:
             current = m.group(1)
             out[current] = (set(), set())
         elif not line.strip() or re.match(r"\w+/\s", line):
-            current = None                                   # a blank line or a folder's row ends a stage
+            current = None                       # a blank line or a folder's row ends a stage
         if current is None:
             continue
         for arrow, names in re.findall(r"(<-|->)((?:\s+[\w/]+)+)\s*$", line):
             side = 0 if arrow == "<-" else 1
             line = ""
             out[current][side].update(n.rstrip("/") for n in names.split())
-        if line and side is not None and re.match(r"\s{40,}\w", line):   # an arrow's continuation line
+        # an arrow's continuation line
+        if line and side is not None and re.match(r"\s{40,}\w", line):
             out[current][side].update(n.rstrip("/") for n in line.split())
     return out
 
 
 def test_finder_sees_every_import_form(tmp_path):
-    """The parser and the cycle finder themselves: imports inside functions and `from x import y` count; a
-    two-module circle and a longer one are found and named."""
+    """The parser and the cycle finder themselves: imports inside functions and `from x import y`
+    count; a two-module circle and a longer one are found and named."""
     src = tmp_path / "a.py"
-    src.write_text("import os\nfrom b import f\n\ndef g():\n    import c as C\n    from bench import sweep\n")
-    assert imports(src, "a", {"a", "b", "c", "bench", "bench.sweep"}) == {"b", "c", "bench", "bench.sweep"}
+    src.write_text("import os\nfrom b import f\n\n"
+                   "def g():\n    import c as C\n    from bench import sweep\n")
+    found = imports(src, "a", {"a", "b", "c", "bench", "bench.sweep"})
+    assert found == {"b", "c", "bench", "bench.sweep"}
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert find_cycle({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == ["x", "y", "z", "x"]
-    assert all_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == ["a -> b -> a", "c -> d -> c"]
+    two = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}
+    assert all_cycles(two) == ["a -> b -> a", "c -> d -> c"]
 
 
 def test_the_top_level_is_the_stages_and_each_folder_says_what_it_serves():
     top = {p.stem for p in ROOT.glob("*.py")}
-    assert top == set(STAGES), f"top-level .py files that are not stages: {sorted(top - set(STAGES))}"
+    extra = sorted(top - set(STAGES))
+    assert top == set(STAGES), f"top-level .py files that are not stages: {extra}"
     for folder in FOLDERS:
         init = ROOT / folder / "__init__.py"
         assert init.exists(), f"{folder}/ has no __init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and doc.startswith(f"{folder}/: "), f"{folder}/__init__.py should open with what it serves"
+        opens = doc is not None and doc.startswith(f"{folder}/: ")
+        assert opens, f"{folder}/__init__.py should open with what the folder serves"
 
 
 def test_import_graph_has_no_cycle():
     g = graph()
-    assert {"model", "lora", "kernels", "gemm.warp_specialized", "tasks.data", "trainer.config"} <= set(g)
-    cycles = all_cycles(g)
-    assert not cycles, f"import cycles (make the lower module stop importing the higher): {'; '.join(cycles)}"
-    assert all("bench.__main__" not in deps for name, deps in g.items())        # the entry point is the top
+    # the parser found the files, the folders' too
+    assert {"model", "lora", "kernels", "gemm.warp_specialized", "tasks.data"} <= set(g)
+    cycles = "; ".join(all_cycles(g))
+    assert not cycles, f"import cycles (make the lower module stop importing the higher): {cycles}"
+    # the benchmarks' entry point is the top
+    assert all("bench.__main__" not in deps for name, deps in g.items())
 
 
 def test_stages_import_only_the_stages_above_them_and_readme_draws_the_arrows():
@@ -159,21 +173,24 @@ def test_stages_import_only_the_stages_above_them_and_readme_draws_the_arrows():
     code = stage_arrows(g)
     for i, s in enumerate(STAGES):
         below = code[s][0] - set(STAGES[:i])
-        assert not below, f"{s}.py imports {sorted(below)}, which come after it in the reading order"
+        assert not below, f"{s}.py imports {sorted(below)}, which come after it in reading order"
     drawn = readme_arrows()
     assert set(drawn) == set(STAGES), sorted(set(drawn) ^ set(STAGES))
     for s in STAGES:
-        assert drawn[s][0] == code[s][0], f"README: {s}.py <- {sorted(drawn[s][0])}; code: {sorted(code[s][0])}"
-        assert drawn[s][1] == code[s][1], f"README: {s}.py -> {sorted(drawn[s][1])}; code: {sorted(code[s][1])}"
+        for side, arrow in ((0, "<-"), (1, "->")):
+            readme, imported = sorted(drawn[s][side]), sorted(code[s][side])
+            assert readme == imported, f"README: {s}.py {arrow} {readme}; code: {imported}"
 
 
 def test_arrows_that_existed_for_one_name_stay_cut():
-    """The flags do not import an engine, ppo does not import the flags, nothing re-exports another module's names
-    (a `noqa: F401` outside the tests), and no file hides imports behind a version check (`noqa: E402`)."""
+    """The flags do not import an engine, ppo does not import the flags, nothing re-exports another
+    module's names (a `noqa: F401` outside the tests), and no file hides imports behind a version
+    check (`noqa: E402`)."""
     g = graph()
     assert not g["trainer.config"] & {"eval", "rollout", "vllm_backend.engine"}
     assert "trainer.config" not in g["ppo"]
-    assert not any("data.score" in path.read_text() for path in own_modules().values())   # rewards.score
+    # rewards.score, read where it lives
+    assert not any("data.score" in path.read_text() for path in own_modules().values())
     for path in own_modules().values():
         text = path.read_text()
         assert "noqa: F401" not in text and "noqa: E402" not in text, f"{path.relative_to(ROOT)}"

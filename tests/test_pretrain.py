@@ -110,7 +110,7 @@ def test_unencodable_character_is_a_clear_error(tok):
     with pytest.raises(Exception, match="outside this tokenizer's alphabet"):
         data.prompt_token_ids(tok, "What is 4738 × 2591?")
     with pytest.raises(ValueError, match="cannot encode: '×'"):
-        tokenizer.encode_checked(tok, "What is 4738 × 2591?")
+        tokenizer.encode_checked(tok, ["What is 4738 × 2591?"])
 
 
 def test_shipped_logits_match_model_py(tok):

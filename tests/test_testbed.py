@@ -1,6 +1,6 @@
-"""The ablation's testbed on CPU, at a tiny size: pretrain.py's countdown and stargraph presets build
-and save a model of their task (bf16, no quantization-aware training), train.py runs RL on it with the
-task's own checker as the reward, and experiments/pilot.py measures its gate."""
+"""The ablation's testbed on CPU, at a tiny size: pretrain.py's countdown and stargraph presets
+build and save a model of their task (bf16, no quantization-aware training), train.py runs RL on it
+with the task's own checker as the reward, and experiments/pilot.py measures its gate."""
 import json
 import sys
 from pathlib import Path

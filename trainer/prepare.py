@@ -4,8 +4,8 @@ build the rollout engine, evaluate on the held-out rows, and open (or resume) th
     python train.py --algo dapo        # runs these functions; this file has no command of its own
 
 Every check raises trainer/config.Stop with a one-line message, so that train.py can refuse a bad
-set-up before it writes anything. Under torchrun (util/dist.py) every rank runs all of it; rank 0 alone
-writes (write_run), and only once every rank's set-up has worked.
+set-up before it writes anything. Under torchrun (util/dist.py) every rank runs all of it; rank 0
+alone writes (write_run), and only once every rank's set-up has worked.
 """
 import dataclasses
 import json

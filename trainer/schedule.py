@@ -1,5 +1,5 @@
-"""schedule.py: the learning-rate schedule of both trainers (ppo.py for RL, pretrain.py), and the one
-place where an optimizer's learning rate is set.
+"""schedule.py: the learning-rate schedule of both trainers (ppo.py for RL, pretrain.py), and the
+one place where an optimizer's learning rate is set.
 
     python train.py --lr 1e-5 --lr-schedule cosine --warmup-steps 10     # RL (ppo.ppo_update)
     python pretrain.py --preset cpu --out DIR                            # pretraining (lr_at)

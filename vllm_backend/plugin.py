@@ -1,6 +1,6 @@
 """plugin.py: what the vLLM backend registers into vLLM: our NVFP4 linears and AQN's noisy norms.
 
-    from vllm_backend import engine      # imports this module: the registrations run once, at import
+    from vllm_backend import engine      # imports this module: its registrations run at import
 
 The folder's __init__.py has set VLLM_ENABLE_V1_MULTIPROCESSING=0 before this module imports vLLM,
 so vLLM runs in this process and sees these registrations. Only vLLM's public extension points are
@@ -14,12 +14,12 @@ used; nothing in the installed package is edited.
   checkpoint's `ignore` list (and lm_head, embeddings) stay vLLM's unquantized ones.
 - AQN: vLLM's `model.layers[i].input_layernorm` (feeds qkv_proj; layer 0 calls it without a
   residual, the others with one) and `.post_attention_layernorm` (feeds gate_up_proj; always with a
-  residual) are NoisyNorm modules, which run layers/ops.rms_norm (our model's numerics) with weight + noise
-  formed in fp32. They are built in by registering a subclass of vLLM's model class
+  residual) are NoisyNorm modules, which run layers/ops.rms_norm (our model's numerics) with weight
+  + noise formed in fp32. They are built in by registering a subclass of vLLM's model class
   (ModelRegistry, named through LLM's hf_overrides), so they exist before vLLM loads, compiles or
-  captures graphs. set_norm_noise (through LLM.apply_model) writes weight = clean + z rounded to
-  the weight's dtype and an fp32 buffer with the remainder, in place, from a clean copy kept on
-  first use: noise never accumulates, captured graphs see it, and weight + remainder is exactly
+  captures graphs. set_norm_noise (through LLM.apply_model) writes weight = clean + z rounded to the
+  weight's dtype and an fp32 buffer with the remainder, in place, from a clean copy kept on first
+  use: noise never accumulates, captured graphs see it, and weight + remainder is exactly
   ops.rms_norm's fp32 effective weight (bf16 alone would round away every sigma <= 7e-4).
 - torch.compile (enforce_eager=False): the GEMM and both norms are custom ops, opaque to Inductor.
 
