@@ -74,3 +74,25 @@ def test_pilot_measures_the_gate(testbed, tmp_path):
     assert res["perturbation"]["bf16_aqn_0.1"]["kl"] > 0
     assert set(res["gates"]) == {"entropy", "nvfp4_kl", "pass1", "coverage"}
     assert res["gates"]["coverage"]["ok"] is False               # 4 samples are not pass@64
+
+
+def test_pilot_rl_gate_by_hand(tmp_path):
+    """The RL gate on hand-made metrics: a run whose reward climbs from 0.4 (steps 100-149) to 0.5
+    (steps 250-299) with no spread rises; a flat one does not; the best run (by late reward) is the
+    one judged, and every run's accuracy over steps 280-299 must stay under 0.9."""
+    def run(name, late, acc):
+        path = tmp_path / name
+        path.mkdir()
+        rows = [dict(step=s, reward=0.4 if s < 200 else late, accuracy=acc) for s in range(300)]
+        rows.insert(150, dict(step=150, eval_accuracy=0.3))          # an evaluation row, skipped
+        (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return pilot.reward_curve(path)
+    climbs, flat = run("climbs", 0.5, 0.6), run("flat", 0.4, 0.95)
+    assert climbs["reward_100_150"] == pytest.approx(0.4) and climbs["reward_250_300"] == 0.5
+    assert climbs["rising"] and not flat["rising"]                   # no spread: s.e. 0
+    res = dict(bases=dict(bf16=dict(entropy=0.2, coverage={"pass@1": 0.3, "pass@64": 0.9})),
+               perturbation=dict(nvfp4=dict(kl=2e-3)), runs=[flat, climbs])
+    gates = pilot.verdicts(res)
+    assert gates["rl_rising"]["ok"] and gates["rl_rising"]["run"].endswith("climbs")
+    # the flat run's accuracy 0.95 breaks the headroom gate; 0.9 / 0.3 = 3 passes coverage
+    assert not gates["rl_headroom"]["ok"] and gates["coverage"]["ok"] and gates["pass1"]["ok"]
