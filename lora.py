@@ -10,7 +10,8 @@ line loads a model.py Model. B starts at zero, A like PEFT (Kaiming uniform), so
 changes nothing. Disabling the adapters gives the reference policy for the KL term at no memory
 cost. Files: adapter_config.json + adapter_model.safetensors with PEFT's tensor names
 (base_model.model.<module>.lora_A.weight), so peft.PeftModel and vLLM's LoRA loader read ours and we
-read theirs.
+read theirs. A file that cannot be read (cut short, not safetensors, not JSON) is a ValueError that
+names it and says what to do, never the reader's own exception.
 
 Leaves out: every PEFT LoRA option beyond plain LoRA (DoRA, rsLoRA, per-module ranks or alphas, some
 layers only, bias training, modules_to_save, PiSSA-style inits that edit the base, ...):
@@ -30,6 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -179,21 +181,48 @@ def check_plain(cfg: dict, path) -> list[str]:
     return list(cfg["target_modules"])
 
 
+class AdapterFileError(ValueError):
+    """An adapter file that cannot be read at all: cut short, or not a safetensors file. `path`
+    is the file, `detail` what the reader said (trainer/checkpoint.py words its own advice)."""
+
+    def __init__(self, path: Path, detail: str):
+        self.path, self.detail = path, detail
+        super().__init__(f"{path} is truncated or not a safetensors file ({detail}): save the "
+                         "adapter again (save_adapter, or peft's save_pretrained), or copy the "
+                         "whole file again if it came from elsewhere")
+
+
+def read_adapter_file(f: Path) -> dict[str, torch.Tensor]:
+    """The tensors of adapter_model.safetensors; AdapterFileError when it cannot be read."""
+    try:
+        return load_file(f)
+    except SafetensorError as e:     # a copy cut short, an empty file, a Git LFS pointer, ...
+        raise AdapterFileError(f, str(e)) from None
+
+
 def load_adapter(model, path) -> dict:
     """Load a PEFT adapter (ours or peft's) into the model, adding LoRA modules if it has none.
-    Returns its config."""
+    Returns its config. A file that cannot be read is a ValueError naming it (AdapterFileError
+    for adapter_model.safetensors)."""
     path = Path(path)
     if not (path / "adapter_config.json").exists():
         raise FileNotFoundError(f"{path} has no adapter_config.json: pass a folder written by "
                                 "save_adapter or peft")
-    cfg = json.loads((path / "adapter_config.json").read_text())
+    try:
+        cfg = json.loads((path / "adapter_config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'adapter_config.json'} is not valid JSON ({e}): write the "
+                         "adapter again, or fix the file") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path / 'adapter_config.json'} holds a {type(cfg).__name__}, not a "
+                         "JSON object: is it a PEFT adapter_config.json?")
     targets = check_plain(cfg, path)
     alpha, dropout = cfg["lora_alpha"], cfg.get("lora_dropout", 0.0)
     f = path / "adapter_model.safetensors"
     if not f.exists():
         raise FileNotFoundError(f"{path} has no adapter_model.safetensors "
                                 "(a .bin adapter must be converted first)")
-    sd = {k.replace(".default.", "."): v for k, v in load_file(f).items()}
+    sd = {k.replace(".default.", "."): v for k, v in read_adapter_file(f).items()}
     if getattr(model, "lora_config", None) is None:
         add_lora(model, cfg["r"], alpha, dropout, tuple(targets))
     else:

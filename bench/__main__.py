@@ -20,7 +20,8 @@ shapes).
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper
                                                       # GPUs take
     python -m bench vllm                    # rollout against vLLM: bf16, its own NVFP4 path, our
-                                            # GEMM (vllm --help)
+                                            # GEMM (vllm --help: .venv-vllm, 42 GB of random
+                                            # checkpoints under --dir, removed at the end)
     python -m bench dist [--smoke]          # weak / strong scaling of an RL step over 1, 2, 4 GPUs
                                             # (torchrun)
 

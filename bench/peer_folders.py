@@ -6,6 +6,7 @@ quantized by quantize.quantize_state_dict (quantize.py's math and its compressed
 so vLLM and the built-in engine read it as they read quantize.py's output. The adapter is PEFT's
 layout: rank r on every decoder linear, A and B drawn N(0, 0.01) so that the LoRA product is
 nonzero (an RL rollout's adapter is; a fresh one has B = 0 and costs less in some engines).
+folder_bytes and adapter_bytes say how much disk they take, before anything is written.
 """
 import json
 import shutil
@@ -42,6 +43,30 @@ def layer_rows(shape: dict) -> dict:
             "mlp.gate_proj": (I, H),
             "mlp.up_proj": (I, H),
             "mlp.down_proj": (H, I)}
+
+
+def folder_bytes(shape: dict, base: str) -> int:
+    """Bytes on disk of the folder write_folder writes: its tensor data (the safetensors header
+    and config.json, a few kB, left out) and the tokenizer files. Linears in NVFP4 as
+    quantize.py stores them: a 4-bit code a weight, an FP8 scale a block of 16, one fp32 scale
+    (a K that is not a multiple of 16 stays bf16)."""
+    from util import tiny
+
+    H, V, L = shape["hidden_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    n = 2 * V * H * 2 + H * 2                    # embed_tokens, lm_head, the final norm (bf16)
+    rows = layer_rows(shape)
+    for r, k in rows.values():
+        nvfp4 = base == "nvfp4" and k % 16 == 0
+        n += L * (r * k // 2 + r * k // 16 + 4 if nvfp4 else r * k * 2)
+    qkv = sum(r for r, _ in list(rows.values())[:3])
+    n += L * (qkv * 2 + 2 * H * 2)               # a layer's q/k/v biases and its two norms
+    return n + sum(f.stat().st_size for f in tiny.TOKENIZER_DIR.iterdir())
+
+
+def adapter_bytes(shape: dict, rank: int) -> int:
+    """Bytes of write_adapter's tensors: A (rank, in) and B (out, rank) in bf16 a linear."""
+    per_layer = sum(rank * (r + k) for r, k in layer_rows(shape).values())
+    return shape["num_hidden_layers"] * per_layer * 2
 
 
 def random_layers(shape: dict, dev: str):

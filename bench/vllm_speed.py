@@ -5,7 +5,7 @@ pick, side by side on one random Qwen2.5-shaped checkpoint, without and with a L
                                   # rank 32; then the 32B shape at batch 1 / 16 for vllm-nvfp4 and
                                   # built-in-nvfp4
     python -m bench vllm --engines vllm-ours,built-in-nvfp4 --shapes small --batches 1 \\
-        --new-tokens 8            # a smoke run, any machine
+        --new-tokens 8            # a smoke run, any machine (vllm-* engines: .venv-vllm)
     python -m bench vllm --report --out experiments/results/peers-h100x4   # a saved run's table
 
 The engines (--engines):
@@ -19,7 +19,7 @@ The engines (--engines):
     built-in-bf16   the built-in engine, bf16 folder
 
 What is timed. The folders and the adapter are bench/peer_folders.py's: random weights written
-once under --dir, the NVFP4 folder being the bf16 one quantized by quantize.py's math; the 32B
+under --dir, the NVFP4 folder being the bf16 one quantized by quantize.py's math; the 32B
 shape gets the NVFP4 folder only (its bf16 weights, 65 GB, leave no room for a KV cache on an
 80 GB GPU). LoRA rows load one PEFT adapter, rank --lora-rank on every decoder linear with
 nonzero A and B, into every engine. Each engine generates exactly --new-tokens tokens (EOS
@@ -31,6 +31,13 @@ Memory: device memory in use (NVML, the whole GPU, less its idle use) after the 
 each engine sized for that batch: the built-in engine allocates a KV cache of batch x (prompt +
 new tokens); vLLM gets kv_cache_memory_bytes for the same tokens (plus one block a sequence)
 instead of a share of the GPU.
+
+Disk and clean-up. The folders take 21 GB a shape (--help gives each folder's size, computed
+from the shapes). Before anything is written the run checks, each a one-line error: a CUDA GPU
+for the 7b and 32b shapes (only `small` runs on a CPU), vLLM for the vllm-* engines (.venv-vllm),
+and the free disk of --dir. The folders a run writes are removed when it ends, also on an error,
+Ctrl-C or `kill` (SIGTERM), its job processes ended first; --keep (and --prepare-only) keeps
+them, and a later run reuses folders already there and leaves them in place.
 
 Settings: each engine's fastest documented ones. vLLM at its defaults (V1 engine, torch.compile,
 CUDA graphs captured at the timed batch sizes, its engine core in a process of its own), except
@@ -49,10 +56,13 @@ parallelism, FlashInfer (not installed).
 """
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import queue
 import re
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -61,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peer_folders import SHAPES, folders, prepare
+from bench.peer_folders import SHAPES, adapter_bytes, folder_bytes, folders, prepare
 from util import fsutil
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +84,9 @@ BIG_ENGINES = ("vllm-nvfp4", "built-in-nvfp4")   # the 32B rows: NVFP4 only
 BIG_BATCHES = (1, 16)
 MEM_BATCH = 64                                   # memory is read after this batch
 JOB_KEY = ("engine", "shape", "lora_rank", "batches")
+CPU_SHAPES = ("small",)                          # the smoke shape; the others need a CUDA GPU
+STOP_GRACE_S = 10                                # seconds a stopped process gets before SIGKILL
+GB = 1e9
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,21 +270,90 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_subprocess(argv: list[str], gpu: str, log: Path, timeout: float) -> int:
-    """`python -m bench vllm ARGV` on one GPU (or "cpu"), its output appended to log."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-           "PYTHONUNBUFFERED": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)   # vLLM's default (vllm-ours sets its own)
-    # the job has asked torch about CUDA, so vLLM must spawn its engine core, not fork it
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    cmd = [sys.executable, "-m", "bench", "vllm", *argv]
-    with open(log, "a") as f:
-        try:
-            return subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            f.write(f"\ntimed out after {timeout:.0f} s\n")
-            return 124
+class Terminated(Exception):
+    """SIGTERM (`kill PID`) reached the orchestrator: it stops as on Ctrl-C."""
+
+
+def on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def signal_group(p: subprocess.Popen, sig: int):
+    """Send `sig` to the process group `p` leads (p and what it started), if any is left."""
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass                                         # the whole group has ended
+
+
+class Children:
+    """The prepare and job processes of one run, and the threads that wait for them. Each process
+    leads a session of its own, so that ending it ends what it started too (vLLM's engine core),
+    and a terminal's Ctrl-C reaches the orchestrator alone, which then ends them: `stop`, called
+    on every exit before the folders the jobs read are removed, lets no new process start and
+    ends the running ones (SIGTERM, then SIGKILL after STOP_GRACE_S)."""
+
+    def __init__(self):
+        self.live: set[subprocess.Popen] = set()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def thread(self, target, *args):
+        # a daemon: a thread left waiting can never hold the interpreter open
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(t)
+        t.start()
+
+    def join(self):
+        for t in self.threads:
+            t.join()                                 # Ctrl-C / SIGTERM interrupt this wait
+
+    def run(self, argv: list[str], gpu: str, log: Path, timeout: float) -> int:
+        """`python -m bench vllm ARGV` on one GPU (or "cpu"), its output appended to log.
+        Returns its exit code: 124 when it ran past `timeout`, -15 when the run was stopped."""
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+               "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default (vllm-ours sets its own)
+        # the job has asked torch about CUDA, so vLLM must spawn its engine core, not fork it
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        cmd = [sys.executable, "-m", "bench", "vllm", *argv]
+        with open(log, "a") as f:
+            with self.lock:                          # no start once stop() has begun
+                if self.stopping.is_set():
+                    return -signal.SIGTERM
+                p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+                self.live.add(p)
+            try:
+                return p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                f.write(f"\ntimed out after {timeout:.0f} s\n")
+                f.flush()
+                signal_group(p, signal.SIGKILL)
+                p.wait()
+                return 124
+            finally:
+                with self.lock:
+                    self.live.discard(p)
+
+    def stop(self):
+        with self.lock:
+            self.stopping.set()
+            live = list(self.live)
+        for p in live:
+            signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in live:
+            signal_group(p, signal.SIGKILL)          # what did not end, and what it left behind
+            p.wait()
+        for t in self.threads:
+            t.join()
 
 
 def root_cause(log: Path, start: int, rc: int) -> str:
@@ -286,7 +368,8 @@ def root_cause(log: Path, start: int, rc: int) -> str:
     return f"exit code {rc} ({log.name})"
 
 
-def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float) -> list[dict]:
+def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float,
+            children: Children) -> list[dict]:
     """Each GPU takes the next job when its last one ends; a job that did not finish gets an
     `error` row. Returns every row of out/rows.jsonl."""
     rows_file = out / "rows.jsonl"
@@ -295,7 +378,7 @@ def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float) -> lis
         todo.put(j)
 
     def worker(gpu):
-        while True:
+        while not children.stopping.is_set():
             try:
                 job = todo.get_nowait()
             except queue.Empty:
@@ -306,7 +389,9 @@ def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float) -> lis
             log = out / f"{name}.log"
             start = log.stat().st_size if log.exists() else 0     # a rerun appends to the log
             argv = ["--worker", json.dumps(job), "--out", str(out)]
-            rc = run_subprocess(argv, gpu, log, timeout)
+            rc = children.run(argv, gpu, log, timeout)
+            if children.stopping.is_set():
+                return                               # stopped, not failed: no error row
             if not finished(read_rows(rows_file), job):
                 error = {**{k: job[k] for k in JOB_KEY}, "kind": "error",
                          "error": root_cause(log, start, rc)}
@@ -314,11 +399,9 @@ def run_all(jobs: list[dict], gpus: list[str], out: Path, timeout: float) -> lis
                     f.write(json.dumps(error) + "\n")
             print(f"[gpu {gpu}] {name}: exit {rc}", flush=True)
 
-    threads = [threading.Thread(target=worker, args=(g,)) for g in gpus]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for g in gpus:
+        children.thread(worker, g)
+    children.join()
     return read_rows(rows_file)
 
 
@@ -364,6 +447,7 @@ def table(rows: list[dict], args) -> str:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m bench vllm", description=__doc__,
+                                 epilog=disk_text(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help="comma-separated, from: " + ", ".join(ENGINES))
@@ -378,7 +462,12 @@ def parse_args(argv):
     ap.add_argument("--new-tokens", type=int, default=512,
                     help="generated tokens per sequence (EOS ignored)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/nanoqerl-peers"),
-                    help="where the random folders and adapters are written once and reused")
+                    help="where the random folders and adapters are written (the disk each "
+                         "shape needs is below); those this run writes are removed when it "
+                         "ends, unless --keep")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the random folders this run writes in --dir, for later runs to "
+                         "reuse (remove them by hand when done)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-vllm"),
                     help="rows.jsonl (every measured row), one log per job, table.md and "
                          "results.json")
@@ -390,7 +479,8 @@ def parse_args(argv):
     ap.add_argument("--fresh", action="store_true",
                     help="forget the rows of an earlier run in --out")
     ap.add_argument("--prepare-only", action="store_true",
-                    help="write the folders and adapters, time nothing")
+                    help="write the folders and adapters and keep them (as --keep), time "
+                         "nothing")
     ap.add_argument("--report", action="store_true",
                     help="print the table of the rows already in --out, run nothing")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)    # one job as JSON
@@ -419,6 +509,112 @@ def settings(args) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
 
 
+def disk_text(rank: int = 32) -> str:
+    """What --help says of the disk under --dir, computed from SHAPES (bench/peer_folders.py)."""
+    lines = ["Disk under --dir while a run lasts (GB = 1e9 bytes; every engine; the adapter at "
+             f"--lora-rank {rank}):"]
+    total = {}
+    for name, shape in SHAPES.items():
+        parts = {f"{b} folder": folder_bytes(shape, b) for b in sorted(bases_of(name, ENGINES))}
+        parts["adapter"] = adapter_bytes(shape, rank)
+        total[name] = sum(parts.values())
+        each = ", ".join(f"{k} {v / GB:.2f}" for k, v in parts.items())
+        lines.append(f"  {name:5s} {total[name] / GB:6.2f} GB: {each}")
+        if name == "32b":
+            big = folder_bytes(shape, "bf16") / GB
+            lines.append(f"{'':17s}(no bf16 folder: its {big:.2f} GB and a KV cache do not fit "
+                         "on an 80 GB GPU)")
+    default = (total["7b"] + total["32b"]) / GB
+    lines += [f"The default run (--shapes 7b,32b) needs {default:.2f} GB, and about as much host "
+              "memory as the",
+              "folder being written. The 7b and 32b shapes need a CUDA GPU; the GPU, vLLM and "
+              "the free disk",
+              "are checked before anything is written. On a CPU, run the smoke shape: --shapes "
+              "small."]
+    return "\n".join(lines)
+
+
+def bases_of(shape: str, engines) -> set[str]:
+    """The folders ("bf16", "nvfp4") that `engines` read at `shape` (32b: BIG_ENGINES only)."""
+    return {ENGINES[e] for e in engines if shape != "32b" or e in BIG_ENGINES}
+
+
+def vllm_installed() -> bool:
+    """Can this Python import vLLM? (Found without importing it, which takes seconds.)"""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path` (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def to_write(args, jobs: list[dict]) -> list[tuple[str, Path, int]]:
+    """(shape, folder, bytes) of each folder or adapter the jobs read that --dir lacks."""
+    out = []
+    for shape in dict.fromkeys(j["shape"] for j in jobs):
+        where = folders(args.dir, shape)
+        for base in sorted(bases_of(shape, {j["engine"] for j in jobs if j["shape"] == shape})):
+            if not (where[base] / "config.json").exists():
+                out.append((shape, where[base], folder_bytes(SHAPES[shape], base)))
+        if args.lora_rank and not (where["adapter"] / "adapter_config.json").exists():
+            out.append((shape, where["adapter"], adapter_bytes(SHAPES[shape], args.lora_rank)))
+    return out
+
+
+def check_machine(args, jobs: list[dict], writes: list) -> str | None:
+    """Why this machine cannot run the jobs (one line), or None. Runs before anything is
+    written: a CUDA GPU for every shape but the CPU smoke one, vLLM for the vllm-* engines, no
+    stranger's folder where ours go, and room on the disk of --dir."""
+    gpu_shapes = [s for s in dict.fromkeys(j["shape"] for j in jobs) if s not in CPU_SHAPES]
+    if gpu_shapes and not torch.cuda.is_available():
+        size = sum(b for shape, _, b in writes if shape in gpu_shapes)
+        return (f"--shapes {','.join(gpu_shapes)} needs a CUDA GPU, and torch sees none: their "
+                f"random checkpoints take {size / GB:.2f} GB under --dir and are timed on the "
+                "GPU; on a CPU only the smoke run works: --shapes small --engines "
+                "built-in-nvfp4 --batches 1 --new-tokens 8")
+    wants = sorted({j["engine"] for j in jobs if j["engine"].startswith("vllm")})
+    if wants and not args.prepare_only and not vllm_installed():
+        return (f"--engines {','.join(wants)} need vLLM, which {sys.executable} cannot import: "
+                "run .venv-vllm/bin/python -m bench vllm (./setup.sh --vllm makes it), or time "
+                "the built-in engine alone: --engines built-in-nvfp4,built-in-bf16")
+    for _, path, _ in writes:
+        if path.exists():
+            return (f"{path} exists but is not a complete folder of this benchmark: remove it, "
+                    "or pass another --dir")
+    need = sum(b for *_, b in writes)
+    free = free_bytes(args.dir)
+    if need > free:
+        return (f"the random checkpoints to write under --dir {args.dir} need {need / GB:.2f} "
+                f"GB, and its disk has {free / GB:.2f} GB free: pass --dir on a disk with room "
+                "(python -m bench vllm --help gives each shape's need)")
+    return None
+
+
+def clean_up(args, writes: list, made_dir: bool, keep: bool) -> str:
+    """Remove what a stopped write left beside the folders this run wrote, and unless `keep` the
+    folders themselves (and --dir when this run made it). Returns what was done, for the user."""
+    for _, path, _ in writes:
+        for tmp in path.parent.glob(f".{path.name}{fsutil.TMP_TAG}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
+    if not writes:
+        return f"the random checkpoints were already in {args.dir} (kept)"
+    if keep:
+        return f"kept the random checkpoints in {args.dir} (remove them by hand when done)"
+    if made_dir:
+        try:
+            args.dir.rmdir()                      # only when empty: nothing of anyone else's
+        except OSError:
+            pass
+    return (f"removed the random checkpoints this run wrote in {args.dir} (--keep keeps them "
+            "for later runs)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -429,40 +625,72 @@ def main(argv=None):
     if args.report:
         print(table(read_rows(args.out / "rows.jsonl"), args))
         return 0
+    # every check before the first write: the GPU, vLLM, the disk
+    done = [] if args.fresh else read_rows(args.out / "rows.jsonl")
+    jobs = [j for j in make_jobs(args) if not finished(done, j)]
+    writes = to_write(args, jobs)
+    problem = check_machine(args, jobs, writes)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+    children, made_dir = Children(), not args.dir.exists()
+    keep = args.keep or args.prepare_only
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    stopped = None
+    try:
+        return orchestrate(args, jobs, children)
+    except KeyboardInterrupt:
+        stopped = ("Ctrl-C", 130)
+    except Terminated:
+        stopped = ("SIGTERM", 143)
+    finally:
+        if main_thread:                           # a second Ctrl-C must not cut the cleanup short
+            handlers = {s: signal.signal(s, signal.SIG_IGN)
+                        for s in (signal.SIGINT, signal.SIGTERM)}
+        children.stop()
+        note = clean_up(args, writes, made_dir, keep)
+        if main_thread:
+            signal.signal(signal.SIGINT, handlers[signal.SIGINT])
+            signal.signal(signal.SIGTERM, old)
+        if stopped is None:
+            print(note, flush=True)
+    print(f"error: stopped by {stopped[0]}: its processes were ended; {note}; the rows so far "
+          f"are in {args.out}/rows.jsonl (a rerun skips finished jobs)", file=sys.stderr)
+    return stopped[1]
+
+
+def orchestrate(args, jobs: list[dict], children: Children) -> int:
+    """Write the folders the jobs need, run the jobs over the GPUs, print and save the table."""
     gpus = args.gpus.split(",") if args.gpus else [str(i) for i in range(torch.cuda.device_count())]
     gpus = gpus or ["cpu"]
     print(json.dumps(settings(args)), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.fresh:
         (args.out / "rows.jsonl").unlink(missing_ok=True)
-    done = read_rows(args.out / "rows.jsonl")
-    jobs = [j for j in make_jobs(args) if not finished(done, j)]
 
     # the folders first: one process a shape, side by side on the GPUs
     bases = {}
     for j in jobs:
         bases.setdefault(j["shape"], set()).add(ENGINES[j["engine"]])
-    threads = []
     for i, (shape, b) in enumerate(bases.items()):
         argv = ["--prepare", f"{shape}:{'+'.join(sorted(b))}", "--dir", str(args.dir),
                 "--lora-rank", str(args.lora_rank)]
         log = args.out / f"prepare-{shape}.log"
-        threads.append(threading.Thread(target=run_subprocess,
-                                        args=(argv, gpus[i % len(gpus)], log, args.timeout)))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        children.thread(children.run, argv, gpus[i % len(gpus)], log, args.timeout)
+    children.join()
     for shape, b in bases.items():
         if not all((folders(args.dir, shape)[base] / "config.json").exists() for base in b):
-            sys.exit(f"could not write the {shape} folders under {args.dir}: see "
-                     f"{args.out}/prepare-{shape}.log")
+            print(f"error: could not write the {shape} folders under {args.dir}: see "
+                  f"{args.out}/prepare-{shape}.log", file=sys.stderr)
+            return 2
     if args.prepare_only:
         return 0
 
     print(f"{len(jobs)} jobs on {len(gpus)} device(s): {', '.join(gpus)}", flush=True)
     jobs.sort(key=lambda j: (j["shape"] != "32b", -max(j["batches"])))   # the longest first
-    rows = run_all(jobs, gpus, args.out, args.timeout)
+    rows = run_all(jobs, gpus, args.out, args.timeout, children)
     text = table(rows, args)
     print(text)
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

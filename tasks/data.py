@@ -6,7 +6,8 @@ What it does
     and a tiny built-in synthetic task) from bundled data/*.jsonl.gz, a local JSONL(.gz) path, or
     a hub dataset name ("owner/name" or "owner/name:config", needs the `datasets` package and
     network access). Rows whose question or gold answer cannot be read are skipped and counted in
-    the stats.
+    the stats; a file that cannot be read as JSONL (missing, empty, binary, a malformed line) is a
+    ValueError or FileNotFoundError naming it, and one "error: ..." line from the command line.
   - Builds prompts with the tokenizer's chat template: a system prompt asking for the final answer
     in \\boxed{} (fmt "boxed"), or QeRL's <think>...</think><answer>...</answer> format
     (fmt "think").
@@ -16,7 +17,8 @@ What it does
   - Answers and rewards are rewards.py's (callers use rewards.score).
 
 Run it
-  python -m tasks.data --task gsm8k --limit 3        # show rows and stats
+  python -m tasks.data --task gsm8k --limit 3        # show rows and stats (rows read, usable
+                                                     # and shown, skipped by reason)
   python -m tasks.data --task math500 --check        # score each gold against itself (sanity)
   python -m tasks.data --task math12k --data PATH --tokenizer DIR --fmt think --limit 2
 
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import re
+import sys
 
 from tasks import arith, countdown, stargraph
 from tasks.rewards import FORMATS, parse_gold, score, summarize
@@ -142,26 +145,40 @@ def synthetic_rows(n: int, seed: int = 0, kind: str = "lucky") -> list[dict]:
 
 
 def _read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSONL(.gz) file; ValueError naming the file (and line) for a file that is not
+    UTF-8 JSONL: a binary file, a .gz that is not gzip, a malformed line."""
     opener = gzip.open if path.endswith(".gz") else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue                      # blank lines (a trailing newline) are no rows
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); "
-                                 f"expected one JSON object per line") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno} is a {type(row).__name__}, "
-                                 f"expected a JSON object per line")
-            rows.append(row)
+    lineno = 0                                # the line being read, for the errors below
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue                  # blank lines (a trailing newline) are no rows
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno} is not valid JSON ({e}); "
+                                     f"expected one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{lineno} is a {type(row).__name__}, "
+                                     f"expected a JSON object per line")
+                rows.append(row)
+    except UnicodeDecodeError as e:           # the line that failed is the one after the last read
+        raise ValueError(f"{path}:{lineno + 1} is not UTF-8 text (byte {e.object[e.start]:#04x}): "
+                         "expected a JSONL file, one JSON object a line (gzipped as .jsonl.gz)"
+                         ) from None
+    except gzip.BadGzipFile:
+        raise ValueError(f"{path} is not a gzip file: rename it without .gz if it is plain "
+                         "JSONL") from None
     return rows
 
 
 # owner/name[:config]; a name ending in .jsonl, .json or .gz is a missing file, not a hub dataset
 _HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(?<!\.jsonl)(?<!\.json)(?<!\.gz)(:[\w.-]+)?")
+# a hub model id: name or owner/name, each starting with a letter or digit (so "./x", "../x",
+# "/x" and "~/x" are paths)
+_HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")
 
 
 def _read_hub(name: str, split: str | None) -> list[dict]:
@@ -220,11 +237,10 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
             raise FileNotFoundError(f"data file for task {task!r} not found (or not a file): "
                                     f"{source}; pass an existing .jsonl/.jsonl.gz file "
                                     "(--data PATH) or a hub name like owner/name")
-        source = os.path.relpath(source) if os.path.isfile(source) else source   # for the stats
 
     # a file without the task's fields is the wrong file: say so rather than skip every row
     if not raw:
-        raise ValueError(f"{source} has no rows")
+        raise ValueError(f"{source} has no rows: expected one JSON object a line")
     for field in (spec["question"], (spec["answer"],)):
         has_field = any(r.get(k) not in (None, "") for r in raw for k in field)
         if not has_field:
@@ -232,8 +248,10 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
                              f"is this the right file for task {task!r}? "
                              f"(first row's fields: {sorted(raw[0])})")
 
-    # keep the rows with a question and a readable gold; count the others by reason
-    stats = {"task": task, "source": source, "read": len(raw), "rows": 0,
+    # keep the rows with a question and a readable gold; count the others by reason. "read": the
+    # rows of the source, "usable": those kept, "rows": those returned (after `limit`)
+    shown = os.path.relpath(source) if os.path.isfile(source) else source
+    stats = {"task": task, "source": shown, "read": len(raw), "usable": 0, "rows": 0,
              "skipped_no_question": 0, "skipped_no_answer": 0, "skipped_bad_gold": 0}
     rows = []
     for i, r in enumerate(raw):
@@ -258,6 +276,7 @@ def load_rows(task: str, path: str | None = None, limit: int | None = None,
 
     if seed is not None:
         random.Random(seed).shuffle(rows)     # its own generator: the global one is left alone
+    stats["usable"] = len(rows)
     rows = rows[:limit] if limit is not None else rows
     stats["rows"] = len(rows)
     return rows, stats
@@ -359,14 +378,15 @@ def stop_token_ids(tokenizer, model_dir=None) -> list[int]:
 
 # ----------------------------------------------------------------------------- command line
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
+        prog="python -m tasks.data",
         description="Show a task's rows, prompts and stats, or self-check its golds.")
     ap.add_argument("--task", default="gsm8k", choices=list(TASKS))
     ap.add_argument("--data", default=None,
                     help="JSONL(.gz) path or hub name, overriding the bundled file")
     ap.add_argument("--limit", type=int, default=3,
-                    help="read at most this many rows (shown and counted)")
+                    help="show at most this many rows (a file is read and counted whole)")
     ap.add_argument("--seed", type=int, default=None,
                     help="shuffle the rows with this seed first (as train.py does); "
                          "none: file order")
@@ -377,27 +397,51 @@ def main() -> None:
                     help="tokenizer dir or hub id, to print chat-templated prompts")
     ap.add_argument("--check", action="store_true",
                     help="score '\\boxed{gold}' against each gold (all rows)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     limit = None if args.check else args.limit            # --check reads every row
-    rows, stats = load_rows(args.task, args.data, limit, args.seed)
+    try:
+        rows, stats = load_rows(args.task, args.data, limit, args.seed)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)             # bad input: one line, no traceback
+        return 2
+    # "rows" (what load_rows returned) is what this command shows or checks: say so
+    done = stats.pop("rows")
 
     # --check: each gold, boxed, must score as correct against itself (1.0 when all parse)
     if args.check:
         kind = TASKS[args.task]["kind"]
         s = summarize([score(f"\\boxed{{{r['gold']}}}", r["gold"], kind) for r in rows])
-        print(json.dumps({**stats, **s}, indent=1))
-        return
+        print(json.dumps({**stats, "checked": done, **s}, indent=1))
+        return 0
 
-    tok = None
+    prompts = [r["question"] for r in rows]
     if args.tokenizer:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    for r in rows:
+        fix = ("pass a model folder holding tokenizer files (tokenizer.json, "
+               "tokenizer_config.json) or a hub id (owner/name)")
+        # a path that is no folder would reach the hub as a malformed repo id: say what it is
+        if not os.path.isdir(args.tokenizer) and not _HUB_ID.fullmatch(args.tokenizer):
+            print(f"error: --tokenizer {args.tokenizer}: no such folder, and not a hub id; {fix}",
+                  file=sys.stderr)
+            return 2
+        try:
+            tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as e:    # no tokenizer files there, offline, ...
+            first = (str(e).strip() or type(e).__name__).splitlines()[0].rstrip(".:; ")
+            print(f"error: --tokenizer {args.tokenizer}: {first}; {fix}", file=sys.stderr)
+            return 2
+        try:
+            prompts = [build_prompt(tok, q, args.fmt) for q in prompts]
+        except ValueError as e:                # a tokenizer without a chat template
+            print(f"error: --tokenizer {args.tokenizer}: {e}", file=sys.stderr)
+            return 2
+    for r, prompt in zip(rows, prompts):
         print("-" * 80)
-        print(build_prompt(tok, r["question"], args.fmt) if tok else r["question"])
+        print(prompt)
         print(f"[gold] {r['gold']}")
-    print(json.dumps(stats, indent=1))
+    print(json.dumps({**stats, "shown": done}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

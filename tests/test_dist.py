@@ -1,15 +1,27 @@
 """Several processes (torchrun, util/dist.py): 2 gloo ranks on CPU train and evaluate what one
 process does, resume each other's checkpoints, keep their adapters bit-identical, and stop together
 with one line on bad set-ups. Also the per-sequence random streams of rollout.py that make it
-possible. The tiny model, fp32 on CPU.
+possible. The tiny model, fp32 on CPU; on a machine with 2 GPUs, the same on the GPU path.
+
+The CPU path, whatever the machine (CPU_ENV): the one-process runs, like the ranks, are processes
+of their own (never train.main inside pytest, whose state earlier tests may have changed), none
+sees a GPU (CUDA_VISIBLE_DEVICES empty: eval.py would otherwise take cuda, and under torchrun with
+2 ranks it is refused on a machine of one GPU), and each does its CPU math on one thread. Why one
+thread: a CPU matmul splits its sums by thread, so a one-process run on all the cores and
+torchrun's ranks (one thread each, torchrun's default) differ in their last bits, and AdamW, which
+divides by the gradient's own scale, carries that into the adapters: 2.1e-6 after two steps with
+16 threads against 1 on the 2-core CI machine, 5.4e-5 in a full test run on a 16-core H100 host.
+With one thread in every process the adapters are bit-identical on the CI machine.
 
 Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens,
 rewards, accuracies, counts and evaluation files are equal; float metrics differ only by the order
 of the sums (micro-batches of other shapes, the ranks' partial sums added last): at most 9e-8
 absolute measured (ratio_mean; mismatch_abs, a difference of two log-probs near 3e-4, 1.2e-8
-absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters: equal after the
-first AdamW step, 2.6e-7 apart after the second (|w| <= 0.14), asserted abs 1e-5. Each rank's own
-adapter is bit-identical to the other's after every step.
+absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters: 0 apart after
+both steps measured on one thread, asserted abs 1e-5 (room for a CPU whose kernels sum the
+micro-batches of other shapes in another order, and still far below the up to 5e-3, the tiny
+model's lr, that one AdamW step moves a weight). Each rank's own adapter is bit-identical to the
+other's after every step.
 """
 import json
 import os
@@ -56,11 +68,25 @@ sys.exit(train.main(sys.argv[1:]))
 """
 
 
-def torchrun(cwd, script, *args, nproc=2, env=None):
+# The CPU path for a subprocess, whatever the machine: no GPU, and one thread (the module docstring
+# says why; torchrun would set OMP_NUM_THREADS=1 for its ranks itself, a one-process run would not)
+CPU_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def one_process(cwd, script, *args, env=CPU_ENV):
+    """`python SCRIPT ARGS` in a process of its own, on the CPU path unless `env` says otherwise
+    (eval.py has no --device: the environment picks its path)."""
+    full = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    r = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=full,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def torchrun(cwd, script, *args, nproc=2, env=None, gpus=False):
     """`torchrun --standalone --nproc_per_node N script args` (a free port: other test runs may
-    share the machine). A monitor interval of 2 s lets every rank print its error before torchrun
-    stops the others."""
-    full = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    share the machine), on the CPU path (CPU_ENV) unless `gpus`. A monitor interval of 2 s lets
+    every rank print its error before torchrun stops the others."""
+    full = dict(os.environ, HF_HUB_OFFLINE="1", **({} if gpus else CPU_ENV), **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), "--monitor-interval", "2", str(script), *args]
     r = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=600)
@@ -104,10 +130,10 @@ def rewind(src: Path, dst: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 2-step run by one process (train.main here) and by 2 gloo ranks (torchrun, adapters
+    """The same 2-step run by one process (python train.py) and by 2 gloo ranks (torchrun, adapters
     spied on)."""
     root = tmp_path_factory.mktemp("dist")
-    assert train.main(["--out", str(root / "one")] + TINY) == 0
+    one_process(root, ROOT / "train.py", "--out", str(root / "one"), *TINY)
     wrapper = root / "wrapper.py"
     wrapper.write_text(WRAPPER.format(root=str(ROOT)))
     (root / "spy").mkdir()
@@ -147,7 +173,7 @@ def test_the_ranks_adapters_stay_bit_identical(runs):
 
 def test_resume_a_two_rank_checkpoint_with_one_process(runs, tmp_path):
     cut = rewind(runs["two"], tmp_path / "cut", 1)
-    assert train.main(["--resume", str(cut)]) == 0
+    one_process(tmp_path, ROOT / "train.py", "--resume", str(cut))
     assert_same_rows(rows_of(cut), rows_of(runs["one"]))
     assert_close_adapters(adapter(cut, 2), adapter(runs["one"], 2))
 
@@ -161,13 +187,13 @@ def test_resume_a_one_process_checkpoint_with_two_ranks(runs, tmp_path):
 
 
 def test_eval_py_with_two_ranks_writes_what_one_process_writes(runs, tmp_path):
-    import eval as E
     from util import tiny
 
     args = ["--model", str(tiny.tiny_model_dir(0)), "--task", "synthetic", "--limit", "5",
             "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "8"]
     # other batches, same draws
-    assert E.main(args + ["--out", str(tmp_path / "one"), "--batch-prompts", "2"]) == 0
+    one_process(tmp_path, ROOT / "eval.py", *args, "--out", str(tmp_path / "one"),
+                "--batch-prompts", "2")
     rc, out, err = torchrun(tmp_path, ROOT / "eval.py", *args, "--out", str(tmp_path / "two"))
     assert rc == 0, err[-3000:]
     assert ((tmp_path / "two" / "samples.jsonl").read_text()
@@ -297,11 +323,33 @@ def test_two_gpus_nccl(runs, tmp_path):
     (tmp_path / "spy").mkdir()
     args = [a for a in TINY if a not in ("--device", "cpu")]
     rc, _, err = torchrun(tmp_path, runs["wrapper"], "--out", str(tmp_path / "run"), *args,
-                          env={"SPY_DIR": str(tmp_path / "spy")})
+                          env={"SPY_DIR": str(tmp_path / "spy")}, gpus=True)
     assert rc == 0, err[-3000:]
     for step in (0, 1):
         a, b = (torch.load(tmp_path / "spy" / f"rank{r}_step{step}.pt") for r in (0, 1))
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one a rank)")
+def test_eval_py_on_two_gpus_writes_what_one_gpu_writes(tmp_path):
+    """The GPU path of the equivalence of eval.py: 2 ranks on 2 GPUs (NCCL) write what one process
+    on one GPU writes, byte for byte. In bf16 a row's logits depend on the rows that share its
+    batch (the kernels pick their tiles by batch size), so both sides are given the same batches:
+    4 prompts, 2 a rank, and --batch-prompts 2 in the one process; the draws are the same by
+    construction (a stream a sample)."""
+    from util import tiny
+
+    args = ["--model", str(tiny.tiny_model_dir(0)), "--task", "synthetic", "--limit", "4",
+            "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "8",
+            "--batch-prompts", "2"]
+    one_process(tmp_path, ROOT / "eval.py", *args, "--out", str(tmp_path / "one"),
+                env={"CUDA_VISIBLE_DEVICES": "0"})
+    rc, _, err = torchrun(tmp_path, ROOT / "eval.py", *args, "--out", str(tmp_path / "two"),
+                          env={"CUDA_VISIBLE_DEVICES": "0,1"}, gpus=True)
+    assert rc == 0, err[-3000:]
+    one, two = ((tmp_path / d / "samples.jsonl").read_text() for d in ("one", "two"))
+    assert one == two and len(one.splitlines()) == 4 * 3
 
 
 @pytest.mark.gpu
@@ -321,7 +369,7 @@ def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench", "dist", "--smoke", "--modes", "weak",
                         "--steps", "2", "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                       env=dict(os.environ, HF_HUB_OFFLINE="1", **CPU_ENV))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(row["mode"], row["gpus"]) for row in rows] == [("weak", 1), ("weak", 2)]

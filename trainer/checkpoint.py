@@ -14,6 +14,9 @@ optimizer step whose gradient is not finite.
 
 state.pt loads with `torch.load(weights_only=True)`: a run folder from someone else cannot run
 code when it is resumed. A state file that needs more than tensors and plain types is refused.
+A state.pt or adapter file that cannot be read (cut short by a full disk or a bad copy) is a
+CheckpointError naming it and the checkpoint to delete; once it is deleted, `latest` falls back
+to the newest complete checkpoint left, so the advice holds.
 Leaves out: keeping only the last N checkpoints (delete old step_* folders by hand).
 """
 import json
@@ -53,13 +56,31 @@ def save(run: Path, step: int, model, optimizer, config: dict, base_model: str) 
     return target
 
 
+def complete(run: Path) -> list[Path]:
+    """The run's complete checkpoint folders (a state.pt and an adapter), oldest first."""
+    cks = [p for p in folder(run).glob("step_*") if p.name[5:].isdigit()]
+    return sorted((p for p in cks if (p / "state.pt").exists() and (p / "adapter").is_dir()),
+                  key=lambda p: int(p.name[5:]))
+
+
 def latest(run: Path) -> Path | None:
-    """The newest complete checkpoint folder, or None when the run has none."""
+    """The checkpoint `latest` names, or, when that folder is gone (deleted by hand after a
+    CheckpointError), the newest complete one left; None when the run has none."""
     pointer = folder(run) / "latest"
-    if not pointer.exists():
-        return None
-    ck = folder(run) / pointer.read_text().strip()
-    return ck if (ck / "state.pt").exists() else None
+    if pointer.exists():
+        ck = folder(run) / pointer.read_text().strip()
+        if (ck / "state.pt").exists():
+            return ck
+    left = complete(run)
+    return left[-1] if left else None
+
+
+def fallback(run: Path, ck: Path) -> str:
+    """What deleting checkpoint `ck` leads to, for the advice of a CheckpointError."""
+    before = [p for p in complete(run) if int(p.name[5:]) < int(ck.name[5:])]
+    if before:
+        return f"delete {ck} to resume from the checkpoint before it, {before[-1].name}"
+    return f"delete {ck}, the run's first checkpoint, to start the run again from step 0"
 
 
 def load(run: Path, model, optimizer) -> int:
@@ -77,8 +98,12 @@ def load(run: Path, model, optimizer) -> int:
                               ) from None
     except (RuntimeError, EOFError, OSError) as e:      # truncated or corrupt
         raise CheckpointError(f"{ck / 'state.pt'} cannot be read ({type(e).__name__}: {e}); "
-                              f"delete {ck} to resume from the checkpoint before it") from None
-    lora.load_adapter(model, ck / "adapter")
+                              f"{fallback(run, ck)}") from None
+    try:
+        lora.load_adapter(model, ck / "adapter")
+    except lora.AdapterFileError as e:                  # cut short or overwritten
+        raise CheckpointError(f"{e.path} is truncated or not a safetensors file ({e.detail}); "
+                              f"{fallback(run, ck)}") from None
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     version, words, gauss = state["rng"]["python"]
