@@ -21,7 +21,9 @@ Streaming: tensors are read and written a few rows at a time with plain file I/O
 peak host memory is bounded by `--chunk-mb` working buffers, not by the model size (measured in
 tests/test_quantize.py).
 Output is written to a temporary folder beside --out and renamed at the end: an interrupted run
-leaves nothing.
+leaves nothing. An --out that cannot be written, a --chunk-mb or --shard-mb that is not > 0, are
+refused before any tensor is read. Every file of the folder besides the weights is copied, so a
+small model's recipe.json (pretrain.py), and the RL defaults in it, travel with its NVFP4 copy.
 
 Leaves out: activation quantization (weights only: the H100 runs W4A16), calibrated or searched
 scales (plain amax), MoE experts and vision towers.
@@ -302,6 +304,14 @@ def resolve_model_dir(model: str) -> Path:
                             f"({type(e).__name__}: {e})")
 
 
+def check_out(out) -> None:
+    """An --out that cannot be written is a QuantizeError before any work (util/fsutil)."""
+    try:
+        fsutil.check_writable(out, inside=False)
+    except ValueError as e:
+        raise QuantizeError(str(e)) from None
+
+
 def list_tensors(model_dir: Path, quantized: bool = False) -> dict[str, tuple[Path, dict, int]]:
     """name -> (file, meta, data start) over all shards. Raises on missing or corrupt input, and on
     already-quantized input unless `quantized` (model.py reading our NVFP4 folders)."""
@@ -441,6 +451,13 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
     """Quantize a checkpoint folder or hub id into `out` (atomically). Returns the summary dict."""
     from tqdm import tqdm
 
+    # the sizes and a given --out are checked before a hub download, the default --out after it
+    for flag, mb in (("--chunk-mb", chunk_mb), ("--shard-mb", shard_mb)):
+        if not (math.isfinite(mb) and mb > 0):        # NaN fails every comparison: refused too
+            raise QuantizeError(f"{flag} must be a size in MB > 0, got {mb}")
+    if out:
+        # the output is renamed into place beside it
+        check_out(out)
     model_dir = resolve_model_dir(model)
     out = Path(out) if out else Path(model_dir.name.rstrip("/") + "-NVFP4")
     real_in, real_out = model_dir.resolve(), out.resolve()  # symlinks and ./.. spellings resolved
@@ -457,6 +474,7 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
     if out.exists() and not overwrite:
         raise QuantizeError(f"--out {out} already exists: pass --overwrite to replace it, "
                             "or choose another --out")
+    check_out(out)
     cfg_path = model_dir / "config.json"
     if not cfg_path.exists():
         raise QuantizeError(f"{model_dir} has no config.json: "
@@ -526,12 +544,13 @@ def release_freed_buffers_promptly():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(
-        description="Quantize a Hugging Face checkpoint to NVFP4 (compressed-tensors layout).")
+        description="Quantize a Hugging Face checkpoint to NVFP4 (compressed-tensors layout).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", required=True,
                     help="local HF folder or hub id (e.g. Qwen/Qwen2.5-7B-Instruct)")
-    ap.add_argument("--out", default=None, help="output folder (default: ./<model name>-NVFP4)")
+    ap.add_argument("--out", default=None, help="output folder; None: ./<model name>-NVFP4")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="where the math runs: cuda (default when a GPU is present) or cpu")
+                    help="where the math runs: cuda (the default where a GPU is present) or cpu")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
     ap.add_argument("--chunk-mb", type=float, default=64.0,
                     help="rows processed at a time, in MB of fp32 (bounds memory)")

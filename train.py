@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import threading
@@ -58,7 +59,8 @@ from tasks import data, rewards
 from trainer import checkpoint, runlog
 from trainer.config import Config, Stop, apply_model_defaults, check_config, parse_args
 from trainer.config import resolve_config
-from trainer.prepare import evaluate, load_data, load_policy, make_engine, open_run, write_run
+from trainer.prepare import evaluate, load_data, load_policy, make_engine, new_run, open_run
+from trainer.prepare import prompt_length, write_run
 from util import dist
 
 
@@ -303,9 +305,10 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
     Returns the exit code."""
     from tqdm import tqdm
 
-    # Set-up on every rank; a failure on any rank stops all of them before the first write
+    # Set-up on every rank; a failure on any rank stops all of them before the first write, so a
+    # failed set-up leaves no run folder
     stamp = ctx.gather(time.strftime("%Y%m%d-%H%M%S"))[0]   # rank 0's clock names a new run
-    err = None
+    err = engine = None
     try:
         print("config:", json.dumps(dataclasses.asdict(cfg)))
         print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))
@@ -315,15 +318,18 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         if ctx.world > 1:
             print(f"torchrun: {ctx.world} ranks on {ctx.device.type}, "
                   "each rolling out its share of the prompts")
+        run = resume or new_run(cfg, stamp)                 # before any work: writable and free
         rows, eval_rows = load_data(cfg)
         dev = ctx.device
         torch.manual_seed(cfg.seed)
         model_dir, tok, model = load_policy(cfg, dev)
+        max_prompt = prompt_length(cfg, tok, rows + eval_rows)     # every prompt encodes
         stops = data.stop_token_ids(tok, model_dir)
         params = lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
         model.grad_checkpoint = cfg.grad_checkpoint
         opt_ = ppo.optimizer(cfg, params)
-        run, start = open_run(cfg, resume, model, opt_, stamp, ctx)
+        start = open_run(cfg, resume, model, opt_, ctx)
+        engine = make_engine(cfg, model, model_dir, dev, max_prompt + cfg.max_new_tokens, ctx)
     except (Stop, ValueError, FileNotFoundError, RuntimeError) as e:
         err = e
     err = ctx.first_error(err)
@@ -333,12 +339,11 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         except (OSError, RuntimeError) as e:
             err = e
     if err is not None:
+        if engine is not None and cfg.engine == "vllm":
+            engine.close()              # vLLM keeps process-wide state: free it for the next engine
         print(f"error: {err}", file=sys.stderr)
         return getattr(err, "code", 2)
 
-    max_prompt = max(len(data.prompt_token_ids(tok, r["question"], cfg.fmt))
-                     for r in rows + eval_rows)
-    engine = make_engine(cfg, model, model_dir, dev, max_prompt + cfg.max_new_tokens, ctx)
     probe = [data.prompt_token_ids(tok, r["question"], cfg.fmt) for r in eval_rows[:2]]
     writers = runlog.writers(dataclasses.asdict(cfg), run) if ctx.main else []
 
@@ -402,7 +407,7 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         print(f"done: {run}  held-out greedy accuracy {first:.3f} -> "
               f"{final['eval_accuracy']:.3f} on {len(eval_rows)} prompts "
               f"(format {final['eval_format_rate']:.2f}); curves in {run / 'curves.png'} "
-              f"(redraw: python train.py --plot {run})")
+              f"(redraw: python train.py --plot {shlex.quote(str(run))})")
     return 0
 
 

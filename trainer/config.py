@@ -5,16 +5,20 @@ anything is written.
 
 Config holds every knob of a run; `python train.py` prints it as one JSON line at start, and it is
 saved in the run folder and in every checkpoint. The RL knobs whose default is None take it from
-the --algo preset (grpo.PRESETS), or from the model's defaults (model_defaults below). Resuming
+the --algo preset (grpo.PRESETS), or from the model's defaults (model_defaults below): a folder
+made by pretrain.py carries its own in recipe.json's "rl" key (its task, length limit, learning
+rate, ...), read wherever the folder lies; "tiny" and real models have the defaults here. Resuming
 keeps the saved config and lets only RESUMABLE flags change; any other flag given with --resume is
-refused by name, never silently ignored. check_config turns every bad flag into one line (Stop)
-before a model is loaded or a folder is made.
+refused by name, never silently ignored. check_config turns every bad value (a sigma, a
+temperature, a learning rate, a missing logger package, ...) into one line (Stop) before a model
+is loaded or a folder is made.
 Leaves out: config files (the flags and the saved config.json are the whole story).
 """
 import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import grpo
 import noise
 import vllm_backend
 from tasks import data
+from util import recipe
 
 
 def opt(default, help, **kw):
@@ -39,15 +44,18 @@ class Config:
     """Every flag of train.py (see --help); None = the preset's or the model's default."""
     algo: str = opt("dapo", "preset: grpo | dapo | dr_grpo (grpo.PRESETS); the flags below "
                             "override it")
-    model: str = opt("models/arith-cpu", "HF folder or hub id: the shipped small model "
-                                         "(pretrain.py), 'tiny' (a random tiny Qwen2, for "
-                                         "plumbing tests) or a real one")
+    model: str = opt("models/arith-cpu", "HF folder or hub id: a small model of pretrain.py "
+                                         "(its recipe.json holds its RL defaults), 'tiny' (a "
+                                         "random tiny Qwen2, for plumbing tests) or a real one")
     base: str = opt("nvfp4", "base precision: nvfp4 (a bf16 checkpoint is quantized while loading) "
                              "or bf16")
     task: str = opt(None, f"training data: {', '.join(data.TASKS)} (default: the model's, see "
                           "trainer/config.py model_defaults)")
     data: str = opt(None, "JSONL path (or hub name) with the rows of --task; needs --task")
-    fmt: str = opt("boxed", "answer format: boxed or think")
+    # Config() keeps "boxed"; the command line leaves it None for the model's (CLI_NONE below)
+    fmt: str = opt("boxed", "answer format: boxed or think (default: the model's, boxed unless "
+                            "its recipe.json says think; a generated task is written and checked "
+                            "in \\boxed{} only)")
     steps: int = opt(None, "RL steps (default: the model's)")
     prompts_per_step: int = opt(8, "prompt groups per RL step")
     group_size: int = opt(8, "G, completions per prompt")
@@ -111,6 +119,9 @@ class Config:
     device: str = opt(None, "cuda or cpu (default: cuda when present)")
 
 
+# Flags whose command-line default is None, to be the model's (apply_model_defaults), while a
+# Config built in code keeps its dataclass default.
+CLI_NONE = ("fmt",)
 # Flags that may change when a run is resumed; any other flag given with --resume is refused.
 RESUMABLE = ("steps", "eval_every", "save_every", "tensorboard", "wandb", "device")
 # The types of the flags whose default is None (the parser cannot read those from the default).
@@ -141,7 +152,7 @@ def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     tristate = ("std_normalize", "dynamic_sampling", "mask_truncated", "grad_checkpoint")
     for f in dataclasses.fields(Config):
         name = "--" + f.name.replace("_", "-")
-        default = argparse.SUPPRESS if suppress else f.default
+        default = argparse.SUPPRESS if suppress else None if f.name in CLI_NONE else f.default
         if isinstance(f.default, bool) or f.name in tristate:
             ap.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
                             help=f.metadata["help"])
@@ -162,31 +173,30 @@ def parse_args(argv=None) -> tuple[Config, argparse.Namespace, set]:
     return cfg, args, given - {"resume", "plot"}
 
 
-# Defaults that depend on the model; each applies only where the flag was left out. The shipped
-# small model (pretrain.py's cpu preset): its addition task, where DAPO lifts held-out greedy
-# accuracy from ~0.16 within minutes on a CPU. The tiny random model: the lucky-digit plumbing
-# task. Anything else: QeRL's GSM8K recipe.
+# Defaults that depend on the model; each applies only where the flag was left out. A model folder
+# made by pretrain.py: the "rl" key of its recipe.json (the shipped models/arith-cpu: its addition
+# task, where DAPO lifts held-out greedy accuracy from ~0.16 within minutes on a CPU), wherever the
+# folder lies. The tiny random model: the lucky-digit plumbing task. Anything else: QeRL's GSM8K
+# recipe.
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "arith-cpu"
-# max_new_tokens 80 for the addition task: its longest solution is about 57 tokens, and DAPO's
-# overlong penalty covers the last quarter of the limit (with 60 it paid the model to drop its
-# "+1" tokens).
-ARITH_DEFAULTS = dict(task="arith", eval_task="arith_test", steps=20, max_new_tokens=80,
-                      lr=2e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.1,
-                      eval_every=5, grad_checkpoint=False)
-TINY_DEFAULTS = dict(task="synthetic", steps=40, max_new_tokens=8,
+TINY_DEFAULTS = dict(task="synthetic", fmt="boxed", steps=40, max_new_tokens=8,
                      lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2,
                      eval_every=0, grad_checkpoint=True)
-REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", steps=500, max_new_tokens=1024,
-                     lr=1e-5, lora_rank=32, lora_alpha=64.0, format_weight=0.0,
-                     eval_every=50, grad_checkpoint=True)
+REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", fmt="boxed", steps=500,
+                     max_new_tokens=1024, lr=1e-5, lora_rank=32, lora_alpha=64.0,
+                     format_weight=0.0, eval_every=50, grad_checkpoint=True)
 
 
 def model_defaults(model: str) -> dict:
+    """The defaults of --model: "tiny"'s, a local folder's recipe.json "rl" key, or a real
+    model's."""
     if model == "tiny":
         return TINY_DEFAULTS
-    if Path(model).exists() and Path(model).resolve() == SHIPPED:
-        return ARITH_DEFAULTS
-    return REAL_DEFAULTS
+    try:
+        rl = recipe.rl_defaults(model) if Path(model).is_dir() else None
+    except ValueError as e:
+        raise Stop(f"--model {model}: {e}") from None
+    return REAL_DEFAULTS if rl is None else rl
 
 
 def apply_model_defaults(cfg: Config) -> Config:
@@ -194,7 +204,13 @@ def apply_model_defaults(cfg: Config) -> Config:
     relative path is taken from the repository, wherever train.py is run from."""
     if cfg.model == Config.model and not Path(cfg.model).exists():
         cfg.model = str(SHIPPED)
-    for name, value in model_defaults(cfg.model).items():
+    defaults = model_defaults(cfg.model)
+    if cfg.task is None and defaults["task"] is None:
+        # pretrain.py wrote no task: its generator knobs match none of the registered tasks
+        raise Stop(f"--model {cfg.model}: its recipe.json names no registered task (it was "
+                   "pretrained with other generator knobs than those of tasks/); pass --task "
+                   "(and --eval-task)")
+    for name, value in defaults.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, value)
     return cfg
@@ -222,6 +238,62 @@ def resolve_config(cfg: Config, args, given: set) -> tuple[Config, Path | None]:
     return dataclasses.replace(saved, **changed), run
 
 
+def flag(name: str) -> str:
+    """A Config field's flag: lora_rank -> --lora-rank."""
+    return "--" + name.replace("_", "-")
+
+
+def check_numbers(cfg: Config, p: dict) -> None:
+    """Every number in its range (NaN fails every comparison, so it is refused too). p: the preset
+    with the flags applied (the clip, TIS, KL and DAPO knobs left out take the preset's)."""
+    for f in dataclasses.fields(Config):
+        value = p.get(f.name, getattr(cfg, f.name))
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Stop(f"{flag(f.name)} must be a finite number, got {value}")
+    if cfg.prompts_per_step < 1 or cfg.group_size < 2:
+        raise Stop("need --prompts-per-step >= 1 and --group-size >= 2 (advantages compare the "
+                   "samples of a group)")
+    for name in ("steps", "save_every", "eval_limit", "max_new_tokens", "epochs", "minibatches",
+                 "micro_batch", "lora_rank", "max_sample_rounds"):
+        if p.get(name) is not None and p[name] < 1:               # apply_preset drops a None
+            raise Stop(f"{flag(name)} must be >= 1, got {p[name]}")
+    if cfg.eval_every < 0 or cfg.warmup_steps < 0:
+        raise Stop("--eval-every and --warmup-steps must be >= 0")
+    # (name, value, holds, the rule as the message says it, why)
+    rules = (
+        ("lr", cfg.lr, cfg.lr > 0, "> 0", ""),
+        ("lora_alpha", cfg.lora_alpha, cfg.lora_alpha > 0, "> 0", " (scale = alpha / rank)"),
+        ("temperature", cfg.temperature, cfg.temperature > 0, "> 0",
+         ": at 0 sampling is greedy, the G samples of a prompt agree and nothing is learned"),
+        ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]", " (a share of the probability)"),
+        ("max_grad_norm", cfg.max_grad_norm, cfg.max_grad_norm > 0, "> 0", ""),
+        ("weight_decay", cfg.weight_decay, cfg.weight_decay >= 0, ">= 0", ""),
+        ("format_weight", cfg.format_weight, cfg.format_weight >= 0, ">= 0", ""),
+        ("accuracy_weight", cfg.accuracy_weight, cfg.accuracy_weight >= 0, ">= 0", ""),
+        ("eps_low", p["eps_low"], 0 <= p["eps_low"] < 1, "in [0, 1)",
+         " (the clip's lower end is 1 - eps_low)"),
+        ("eps_high", p["eps_high"], p["eps_high"] >= 0, ">= 0", ""),
+        ("tis_cap", p["tis_cap"], p["tis_cap"] is None or p["tis_cap"] >= 0, ">= 0",
+         " (0 = no correction)"),                      # None: grpo.TIS_CAP
+        ("beta", p["beta"], p["beta"] >= 0, ">= 0", " (0 = no KL term)"),
+        ("overlong_cache_frac", p["overlong_cache_frac"], 0 <= p["overlong_cache_frac"] <= 1,
+         "in [0, 1]", " (a fraction of --max-new-tokens)"),
+        ("overlong_factor", p["overlong_factor"], p["overlong_factor"] >= 0, ">= 0", ""),
+        # AQN: noise.sigma_at runs every step, with --no-aqn too (its sigma is then dropped)
+        ("sigma_start", cfg.sigma_start, cfg.sigma_start > 0, "> 0", ""),
+        ("sigma_end", cfg.sigma_end, 0 < cfg.sigma_end <= cfg.sigma_start,
+         f"in (0, --sigma-start {cfg.sigma_start}]", " (the noise decays)"),
+        ("aqn_stages", cfg.aqn_stages, cfg.aqn_stages >= 2, ">= 2",
+         " (the noise-free first stage, then noisy ones)"),
+    )
+    for name, value, holds, rule, why in rules:
+        if not holds:
+            raise Stop(f"{flag(name)} must be {rule}, got {value}{why}")
+    if cfg.format_weight == 0 and cfg.accuracy_weight == 0:
+        raise Stop("--format-weight and --accuracy-weight are both 0: every reward would be 0 and "
+                   "nothing learned; give one of them a weight > 0")
+
+
 def check_config(cfg: Config) -> dict:
     """Validate every flag (one-line errors); returns the preset with the flags applied."""
     p = grpo.apply_preset(cfg.algo, dataclasses.asdict(cfg))
@@ -234,16 +306,17 @@ def check_config(cfg: Config) -> dict:
                ("lr_schedule", cfg.lr_schedule, SCHEDULES))
     for name, val, allowed in choices:
         if val not in allowed:
-            raise Stop(f"--{name.replace('_', '-')} {val!r} is not one of: {', '.join(allowed)}")
-    if cfg.prompts_per_step < 1 or cfg.group_size < 2:
-        raise Stop("need --prompts-per-step >= 1 and --group-size >= 2 (advantages compare the "
-                   "samples of a group)")
-    for name in ("steps", "save_every", "eval_limit", "max_new_tokens", "epochs", "minibatches",
-                 "micro_batch"):
-        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
-            raise Stop(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    if cfg.eval_every < 0 or cfg.warmup_steps < 0:
-        raise Stop("--eval-every and --warmup-steps must be >= 0")
+            raise Stop(f"{flag(name)} {val!r} is not one of: {', '.join(allowed)}")
+    if cfg.eval_task is not None and cfg.eval_task not in data.TASKS:
+        raise Stop(f"--eval-task {cfg.eval_task!r} is not one of: {', '.join(data.TASKS)}")
+    check_numbers(cfg, p)
+    # a generated task's answers are written and checked in \boxed{} (its corpus, its checker):
+    # with think every reward would be 0, for the whole run, without a word
+    generated = [t for t in (cfg.task, cfg.eval_task) if t is not None and data.is_generated(t)]
+    if cfg.fmt == "think" and generated:
+        raise Stop(f"--fmt think: task {generated[0]} is generated and its answers are written "
+                   "and checked in \\boxed{} only, so every reward would be 0; leave --fmt out "
+                   "(boxed)")
     if cfg.data is not None and data.is_generated(cfg.task):
         raise Stop(f"--data {cfg.data}: task {cfg.task} is generated and reads no file; say what "
                    "the rows are with --task (e.g. gsm8k_train for GSM8K-style rows, math12k for "
@@ -255,4 +328,9 @@ def check_config(cfg: Config) -> dict:
                    "leave --device out (or --device cpu)")
     if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise Stop(vllm_backend.MISSING)
+    # the loggers are imported only when the run folder is already written: check them now
+    for wanted, package in ((cfg.tensorboard, "tensorboard"), (cfg.wandb, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise Stop(f"--{package} needs the {package} package, which is not installed: "
+                       f"install it (.venv/bin/pip install {package}) or leave --{package} out")
     return p

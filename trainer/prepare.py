@@ -4,8 +4,12 @@ build the rollout engine, evaluate on the held-out rows, and open (or resume) th
     python train.py --algo dapo        # runs these functions; this file has no command of its own
 
 Every check raises trainer/config.Stop with a one-line message, so that train.py can refuse a bad
-set-up before it writes anything. Under torchrun (util/dist.py) every rank runs all of it; rank 0
-alone writes (write_run), and only once every rank's set-up has worked.
+set-up before it writes anything: the run folder is checked first (new_run: writable, and free),
+then the data, the policy, every prompt (prompt_length: a task the model's tokenizer cannot encode
+is one line) and the engine. Under torchrun (util/dist.py) every rank runs all of it; rank 0 alone
+writes (write_run), and only once every rank's set-up has worked. A folder left by a run that
+stopped before its first step and saved no checkpoint is no run to protect: a rerun with the same
+--out starts it again (and says so), as --resume would.
 """
 import dataclasses
 import json
@@ -49,6 +53,13 @@ def load_data(cfg: Config) -> tuple[list, list]:
     print(f"eval: the last {cfg.eval_limit} of the {len(rows)} shuffled rows are held out "
           "(never trained on)")
     return rows[:-cfg.eval_limit], rows[-cfg.eval_limit:]
+
+
+def prompt_length(cfg: Config, tok, rows: list[dict]) -> int:
+    """The longest prompt of rows, in tokens. Every prompt is encoded here, in the set-up: one the
+    tokenizer cannot encode is a one-line error naming the task and the tokenizer (eval.py's
+    encode_prompts), never a traceback in the middle of the run."""
+    return max(map(len, evaluation.encode_prompts(tok, rows, cfg.fmt)))
 
 
 def load_policy(cfg: Config, dev: torch.device):
@@ -114,25 +125,43 @@ def evaluate(cfg, model, engine, tok, rows, stops, run, step, ctx=dist.SINGLE) -
                             max_new_tokens=cfg.max_new_tokens, fmt=cfg.fmt, seed=cfg.seed,
                             stop_ids=stops, progress=False, ctx=ctx,
                             out_dir=str(run / "eval" / f"step_{step:06d}"))
+    # eval_step: the updates the evaluated policy has had, its folder's number (trainer/runlog.py)
     return dict(eval_accuracy=s["pass@1"],
                 eval_parse_fail=s["parse_fail_rate"],
-                eval_format_rate=s["format_rate"])
+                eval_format_rate=s["format_rate"],
+                eval_step=step)
 
 
 # --------------------------------------------------------------------------------------------------
 # The run folder
 
-def open_run(cfg: Config, resume: Path | None, model, opt_, stamp: str,
-             ctx=dist.SINGLE) -> tuple[Path, int]:
-    """The run folder and its first step: a new one (checked here, made by write_run), or a
-    resumed run's latest checkpoint loaded into the model and optimizer (by every rank).
-    Writes nothing, except that rank 0 removes what an interrupted checkpoint write left."""
-    if resume is None:
-        run = Path(cfg.out or f"runs/{cfg.algo}-{stamp}")
-        if (run / "metrics.jsonl").exists():
+def new_run(cfg: Config, stamp: str) -> Path:
+    """A new run's folder, checked before any work (nothing is written here): one that can be
+    written, and holds no run. A run of train.py's (its config.json) that stopped before its first
+    step and saved no checkpoint (its step-0 evaluation at most) holds nothing to keep, and
+    --resume would repeat its flags: a rerun uses the folder again, and write_run empties its
+    metrics. Metrics that train.py's config.json does not vouch for are never replaced."""
+    run = Path(cfg.out or f"runs/{cfg.algo}-{stamp}")
+    try:
+        fsutil.check_writable(run)
+    except ValueError as e:
+        raise Stop(str(e)) from None
+    if (run / "metrics.jsonl").exists():
+        steps = [r for r in runlog.read(run) if "reward" in r]       # the finished steps' rows
+        ours = (run / "config.json").exists()
+        if steps or checkpoint.latest(run) is not None or not ours:
             raise Stop(f"{run} already holds a run: pass --resume {run}, or another --out")
-        return run, 0
+        print(f"{run} holds a run that stopped before its first step and saved no checkpoint: "
+              "starting it again there")
+    return run
 
+
+def open_run(cfg: Config, resume: Path | None, model, opt_, ctx=dist.SINGLE) -> int:
+    """The run's first step: 0 for a new run, or a resumed run's latest checkpoint loaded into the
+    model and optimizer (by every rank). Writes nothing, except that rank 0 removes what an
+    interrupted checkpoint write left."""
+    if resume is None:
+        return 0
     if ctx.main:
         for stale in checkpoint.clean_stale(resume):
             print(f"removed {stale}, left by an interrupted checkpoint write")
@@ -143,16 +172,17 @@ def open_run(cfg: Config, resume: Path | None, model, opt_, stamp: str,
     if start >= cfg.steps:
         raise Stop(f"{resume} already finished its {start} steps: "
                    f"pass --steps N with N > {start} to extend it")
-    return resume, start
+    return start
 
 
 def write_run(cfg: Config, run: Path, start: int, resumed: bool):
     """Rank 0's first writes, once every rank's set-up worked: a new run folder with its
-    config.json, or a resumed run's config.json and its metrics cut back to the checkpoint's step
-    (the steps after it are replayed, so they are logged again)."""
+    config.json and an empty metrics.jsonl (a run that stopped before its first step leaves its rows
+    behind otherwise), or a resumed run's config.json and its metrics cut back to the checkpoint's
+    step (the steps after it are replayed, so they are logged again)."""
     if not resumed:
         checkpoint.folder(run).mkdir(parents=True, exist_ok=True)
     fsutil.atomic_write_text(run / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    runlog.truncate(run, start)
     if resumed:
-        runlog.truncate(run, start)
         print(f"resumed {run} at step {start} of {cfg.steps}")

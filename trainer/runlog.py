@@ -3,13 +3,19 @@ W&B, and curves.png.
 
     python train.py --plot runs/dapo-20261122-120000      # redraw curves.png from metrics.jsonl
 
+Which step is which, said once for every place that shows one: step s of the policy is the
+policy after s updates. A training row's `step` s is the rollout sampled from it (steps 0 ..
+steps-1), drawn at x = s. An evaluation at step s measures it too: its samples are in
+eval/step_<s>, its row holds `eval_step` s, and its marker is drawn at x = s. So the baseline is
+step 0 (its own row, before any update), an evaluation after the update of training step s sits in
+that step's row with eval_step s + 1, and the last one is step `steps` (its own row).
+
 Every training step appends one row (reward, accuracy, format rate, entropy, mismatch, importance
-weights, sigma, timings, ...); an evaluation adds `eval_accuracy` (greedy, held-out prompts) to
-the row of the step it follows, and step 0 holds the baseline evaluation before any update. Two
-accuracies are never mixed up: `accuracy` is the training batch's sampled accuracy (temperature 1,
-training prompts), `eval_accuracy` the greedy one on held-out prompts. The curves draw training
-metrics as lines and evaluations as markers only: two evaluations joined by a line would suggest a
-steady rise that was never measured.
+weights, sigma, timings, ...); an evaluation adds `eval_accuracy` (greedy, held-out prompts) and
+`eval_step`. Two accuracies are never mixed up: `accuracy` is the training batch's sampled accuracy
+(temperature 1, training prompts), `eval_accuracy` the greedy one on held-out prompts. The curves
+draw training metrics as lines and evaluations as markers only: two evaluations joined by a line
+would suggest a steady rise that was never measured.
 Leaves out: smoothing, and comparing several runs in one figure (the experiment scripts do that).
 """
 import json
@@ -42,10 +48,18 @@ PANELS = [
 
 
 def read(run: Path) -> list[dict]:
+    """The rows of run/metrics.jsonl; a last line cut by a kill (log's one short write) is left
+    out, so that the folder can still be resumed or plotted."""
     path = Path(run) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    lines = [x for x in path.read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in lines[:-1]]
+    try:
+        rows += [json.loads(x) for x in lines[-1:]]
+    except json.JSONDecodeError:
+        pass                                               # the partial last line of a kill
+    return rows
 
 
 def truncate(run: Path, start: int) -> None:
@@ -77,12 +91,21 @@ def log(run: Path, row: dict, extra_writers=()) -> None:
         f.write(json.dumps(row) + "\n")
     for kind, w in extra_writers:
         for k, v in row.items():
-            if not isinstance(v, (int, float)) or k == "step":
+            if not isinstance(v, (int, float)) or k in ("step", "eval_step"):
                 continue
             if kind == "tb":
                 w.add_scalar(k, v, row["step"])
             else:
                 w.log({k: v}, step=row["step"])
+
+
+def x_of(row: dict, style: str) -> int:
+    """Where a row's metric is drawn (the module docstring): a training metric at its step, an
+    evaluation at its eval_step (the rows of runs older than eval_step: their step, plus one in a
+    training step's row, whose evaluation followed its update)."""
+    if style == "marker":
+        return row.get("eval_step", row["step"] + ("reward" in row))
+    return row["step"]
 
 
 def first_eval(run: Path) -> float | None:
@@ -105,7 +128,7 @@ def plot(run: Path) -> Path:
         ax.axis("off")
     for ax, (title, ylabel, keys) in zip(axes.flat, panels):
         for key, label, style in keys:
-            pts = [(r["step"], r[key]) for r in rows if key in r]
+            pts = [(x_of(r, style), r[key]) for r in rows if key in r]
             if not pts:
                 continue
             xs, ys = zip(*pts)
@@ -114,7 +137,7 @@ def plot(run: Path) -> Path:
             else:
                 ax.plot(xs, ys, "-", linewidth=1.2, label=label)
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("RL step s (the policy after s updates)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")

@@ -95,3 +95,23 @@ def clean_stale(folder: Path) -> list[Path]:
     for p in stale:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return stale
+
+
+def check_writable(out, flag: str = "--out", inside: bool = True) -> None:
+    """A ValueError for an output path that cannot be written, before any work: the nearest folder
+    that exists on the way to where the files go (inside `out`, or beside it for a folder written
+    by atomic_dir) must take a new file. Tried with a hidden temporary, removed at once:
+    permission bits alone say nothing for root or on a read-only filesystem."""
+    out = Path(out)
+    near = out.absolute() if inside else out.absolute().parent
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    if not near.is_dir():
+        raise ValueError(f"{flag} {out}: {near} is a file, not a folder; choose another {flag}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{out.name}{TMP_TAG}", dir=near)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {out} cannot be written ({e.strerror} in {near}): choose a "
+                         f"writable {flag}") from None
