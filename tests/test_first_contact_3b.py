@@ -168,8 +168,11 @@ def test_a_stopped_run_stops_its_jobs_and_cleans_up(tmp_path, how):
     keep = ["--keep"] if how == "sigterm-keep" else []
     # 4000 new tokens: a job of minutes on a CPU, so that the stop lands while it runs
     cmd = bench_cmd(tmp_path, *SMOKE, "--new-tokens", "4000", *keep)
+    # the default SIGINT disposition, as at a terminal: a test run in the background (bash's `&`)
+    # starts with SIGINT ignored, and Python would then never raise KeyboardInterrupt
     p = subprocess.Popen(cmd, cwd=ROOT, env=CPU, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+                         text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         rows, deadline = tmp_path / "out" / "rows.jsonl", time.time() + 300
         while not (rows.exists() and '"start"' in rows.read_text()) and time.time() < deadline:
