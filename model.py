@@ -33,6 +33,7 @@ from gemm.layout import pack_nvfp4
 from layers import attention
 from layers.linear import Linear, fuse, mlp_act, project
 from layers.ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq
+from util import tensorfile
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -274,7 +275,7 @@ class Model(nn.Module):
             if list(meta["shape"]) != list(shape):
                 raise ValueError(f"{folder}: tensor {name} has shape {meta['shape']}, "
                                  f"expected {list(shape)}")
-            t = quantize.read_rows(f, meta, start, 0, shape[0] if shape else 1)
+            t = tensorfile.read_rows(f, meta, start, 0, shape[0] if shape else 1)
             return t.to(device=device, dtype=dt).reshape(shape)
 
         with torch.no_grad():

@@ -17,9 +17,9 @@ lm_head stay bf16 (lm_head is in `ignore`).
 A Linear whose K is not a multiple of 16 cannot be blocked: it stays bf16 and is listed in
 `ignore` (with a note).
 
-Streaming: tensors are read and written a few rows at a time with plain file I/O (no mmap), so
-peak host memory is bounded by `--chunk-mb` working buffers, not by the model size (measured in
-tests/test_quantize.py).
+Streaming: tensors are read and written a few rows at a time with plain file I/O (no mmap,
+util/tensorfile.py), so peak host memory is bounded by `--chunk-mb` working buffers, not by the
+model size (measured in tests/test_quantize.py).
 Output is written to a temporary folder beside --out and renamed at the end: an interrupted run
 leaves nothing. An --out that cannot be written, a --chunk-mb or --shard-mb that is not > 0, are
 refused before any tensor is read. Every file of the folder besides the weights is copied, so a
@@ -36,14 +36,13 @@ import argparse
 import json
 import math
 import shutil
-import struct
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from util import fsutil
+from util import fsutil, tensorfile
 
 SUPPORTED_ARCHS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -212,80 +211,6 @@ def quantize_state_dict(sd: dict, device: str = "cpu") -> tuple[dict, list[str]]
 
 
 # --------------------------------------------------------------------------------------------------
-# Minimal safetensors I/O with plain reads and writes (no mmap), so memory stays bounded and
-# checkable.
-
-DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
-          "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32,
-          "BOOL": torch.bool}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """-> ({name: {dtype, shape, data_offsets}}, data start offset). Raises QuantizeError on a
-    corrupt file."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > size - 8:
-                raise ValueError("header longer than file")
-            header = json.loads(f.read(n))
-    except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise QuantizeError(f"{path} is not a valid safetensors file ({e}): "
-                            "re-download or re-save it")
-    header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise QuantizeError(f"{path} is truncated ({size} bytes, header needs {8 + n + end}): "
-                            "re-download it")
-    for k, v in header.items():
-        if v["dtype"] not in DTYPES:
-            raise QuantizeError(f"{path}: tensor {k} has unsupported dtype {v['dtype']}")
-    return header, 8 + n
-
-
-def read_rows(path: Path, meta: dict, data_start: int, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a stored tensor (dim 0), read with one seek + read."""
-    dtype, shape = DTYPES[meta["dtype"]], meta["shape"]
-    row_elems = math.prod(shape[1:])
-    isz = torch.tensor([], dtype=dtype).element_size()
-    buf = torch.empty((r1 - r0) * row_elems * isz, dtype=torch.uint8)
-    with open(path, "rb") as f:
-        f.seek(data_start + meta["data_offsets"][0] + r0 * row_elems * isz)
-        f.readinto(buf.numpy())
-    return buf.view(dtype).reshape([r1 - r0] + list(shape[1:]))
-
-
-class ShardWriter:
-    """Writes one safetensors file whose tensor list is known in advance, tensor data arriving
-    row chunk by row chunk."""
-
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]]):
-        header, off = {}, 0
-        for name, dtype, shape in specs:
-            nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
-                            "data_offsets": [off, off + nbytes]}
-            off += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.header, self.start = header, 8 + len(blob)
-        self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(blob)) + blob)
-        self.f.truncate(self.start + off)
-
-    def write_rows(self, name: str, row0: int, t: torch.Tensor):
-        row_bytes = t[0].numel() * t.element_size() if t.shape[0] else 0
-        self.f.seek(self.start + self.header[name]["data_offsets"][0] + row0 * row_bytes)
-        self.f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-    def close(self):
-        self.f.close()
-
-
-# --------------------------------------------------------------------------------------------------
 # The CLI: scan (validate + amax), plan shards, write, summarise.
 
 def resolve_model_dir(model: str) -> Path:
@@ -329,7 +254,10 @@ def list_tensors(model_dir: Path, quantized: bool = False) -> dict[str, tuple[Pa
         if not f.exists():
             raise QuantizeError(f"{f.name} is listed in model.safetensors.index.json "
                                 f"but missing from {model_dir}")
-        header, start = read_header(f)
+        try:
+            header, start = tensorfile.read_header(f)
+        except tensorfile.TensorFileError as e:
+            raise QuantizeError(str(e)) from None
         for name, meta in header.items():
             packed = name.endswith(("weight_packed", "weight_scale", "weight_global_scale",
                                     ".qweight"))
@@ -340,26 +268,12 @@ def list_tensors(model_dir: Path, quantized: bool = False) -> dict[str, tuple[Pa
     return tensors
 
 
-def rows_per_chunk(shape: list[int], chunk_mb: float) -> int:
-    return max(1, int(chunk_mb * 2**20 / 4 / max(1, math.prod(shape[1:]))))
-
-
-def iter_chunks(src, chunk_mb, device):
-    """Yield (row0, rows as fp32-capable tensor on device) for one stored tensor."""
-    f, meta, start = src
-    shape = meta["shape"] or [1]
-    step = rows_per_chunk(shape, chunk_mb)
-    for r0 in range(0, shape[0], step):
-        r1 = min(shape[0], r0 + step)
-        yield r0, read_rows(f, {**meta, "shape": shape}, start, r0, r1).to(device)
-
-
 def plan_outputs(tensors: dict) -> tuple[list, list[str]]:
     """-> ([(out_name, dtype, shape, src_name, role)], ignore list).
     role: packed / scale / gscale / copy."""
     outs, ignore = [], ["lm_head"]
     for name, (_, meta, _) in tensors.items():
-        shape, dt = meta["shape"], DTYPES[meta["dtype"]]
+        shape, dt = meta["shape"], tensorfile.DTYPES[meta["dtype"]]
         kind = linear_kind(name)
         if kind and len(shape) == 2 and shape[1] % BLOCK == 0:
             p = name[: -len(".weight")]
@@ -378,9 +292,9 @@ def scan(tensors: dict, device: str, chunk_mb: float, bar) -> dict[str, float]:
     """Check every tensor is finite and return the amax of each global-scale group."""
     amax = {}
     for name, src in tensors.items():
-        if not DTYPES[src[1]["dtype"]].is_floating_point:
+        if not tensorfile.DTYPES[src[1]["dtype"]].is_floating_point:
             continue
-        for _, rows in iter_chunks(src, chunk_mb, device):
+        for _, rows in tensorfile.iter_chunks(src, chunk_mb, device):
             rows = rows.float()
             if not torch.isfinite(rows).all():
                 raise QuantizeError(f"tensor {name} contains NaN or Inf: "
@@ -408,7 +322,7 @@ def write_checkpoint(tensors, outs, amax, tmp: Path, device, chunk_mb, shard_mb,
     for i, shard in enumerate(shards):
         fname = ("model.safetensors" if len(shards) == 1
                  else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
-        w = ShardWriter(tmp / fname, [(o[0], o[1], o[2]) for o in shard])
+        w = tensorfile.ShardWriter(tmp / fname, [(o[0], o[1], o[2]) for o in shard])
         by_src = {}
         for o in shard:
             by_src.setdefault(o[3], []).append(o)
@@ -416,7 +330,7 @@ def write_checkpoint(tensors, outs, amax, tmp: Path, device, chunk_mb, shard_mb,
         for src_name, group in by_src.items():
             roles = {o[4]: o[0] for o in group}
             if "copy" in roles:
-                for r0, rows in iter_chunks(tensors[src_name], chunk_mb, device):
+                for r0, rows in tensorfile.iter_chunks(tensors[src_name], chunk_mb, device):
                     rows = rows.to(torch.bfloat16) if rows.is_floating_point() else rows
                     w.write_rows(roles["copy"], r0, rows.cpu())
                     bar.update(rows.numel())
@@ -425,7 +339,7 @@ def write_checkpoint(tensors, outs, amax, tmp: Path, device, chunk_mb, shard_mb,
             if "gscale" in roles:
                 w.write_rows(roles["gscale"], 0, gs)
             err2 = ref2 = 0.0
-            for r0, rows in iter_chunks(tensors[src_name], chunk_mb, device):
+            for r0, rows in tensorfile.iter_chunks(tensors[src_name], chunk_mb, device):
                 packed, scale, e2, r2 = quantize_rows(rows, gs, with_error=True)
                 if "packed" in roles:
                     w.write_rows(roles["packed"], r0, packed.cpu())
@@ -509,7 +423,7 @@ def quantize_checkpoint(model: str, out: str | None = None, device: str = "cpu",
                     and f.name not in ("config.json", "model.safetensors.index.json")):
                 shutil.copy2(f, tmp / f.name)
     bytes_in = sum(math.prod(m["shape"] or [1])
-                   * torch.tensor([], dtype=DTYPES[m["dtype"]]).element_size()
+                   * torch.tensor([], dtype=tensorfile.DTYPES[m["dtype"]]).element_size()
                    for _, m, _ in tensors.values())
     bytes_out = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     return {"out": str(out), "quantized": sum(len(v) for v in errors.values()), "ignored": ignore,

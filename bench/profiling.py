@@ -50,6 +50,7 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
     (ncu -k regex:nvfp4 python -m bench one --shape gate_up --m 1), then as many of bf16 F.linear;
     prints the host time per call of each (what an eager prefill pays per linear)."""
     import kernels
+    from gemm import configs
 
     N, K = SHAPES_7B[shape]
     _, (w,) = random_nvfp4(N, K, 1)
@@ -69,7 +70,7 @@ def run_one(shape: str, M: int, config: str | None, iters: int):
         # launch cost on the host (no sync in the loop)
         host[name] = (time.perf_counter() - t0) / iters * 1e6
         torch.cuda.synchronize()
-    print(f"ran {iters} x {shape} M={M} config={cfg or kernels.mm_config(M, N, K)}; "
+    print(f"ran {iters} x {shape} M={M} config={cfg or configs.mm_config(M, N, K)}; "
           "host time per call: "
           + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
 

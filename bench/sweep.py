@@ -15,7 +15,8 @@ import triton.language as tl
 
 from bench import common
 from gemm import layout
-from kernels import _dequant_regs, split_k
+from gemm.configs import mm_config, split_k
+from kernels import _dequant_regs
 
 
 def sweep_configs(M, N, K, family: str = "all"):
@@ -54,12 +55,11 @@ def ks_configs(M, N, K):
     ring's buffers fit in 200 KB of shared memory and the dequantized tile and accumulators in about
     160 registers a thread; and first, for comparison, the split-K config the dispatch would take
     without the K-sliced kernel."""
-    import kernels
 
     BM = 1 << (M - 1).bit_length()
     if BM > 64:
         return []
-    out = [kernels.mm_config(M, N, K, sliced=False)]
+    out = [mm_config(M, N, K, sliced=False)]
     for BN in (16, 32, 64, 128):
         for KS, nw in ((2, 2), (4, 4), (4, 8), (8, 8)):
             regs = KS * BN * (64 + BM) / (32 * nw)  # bf16 tile (2 a register) + fp32 accumulators
@@ -215,7 +215,7 @@ def ablate(out: dict):
               for _ in range(common.copies_for(N * K * 2))]
         _, wq = common.random_nvfp4(N, K, common.copies_for(N * K * 9 // 16))
         for M in (16, 64):
-            cfg = kernels.mm_config(M, N, K)
+            cfg = mm_config(M, N, K)
             KT = wq[0].words.shape[0]
             split, per = split_k(KT, cfg["SPLIT_K"])
             ws = torch.empty(split * cfg["BM"] * N, dtype=torch.float32, device="cuda")
@@ -259,7 +259,7 @@ def splits(out: dict):
         KT = -(-K // 128)
         for M in (1, 16, 64):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            base = kernels.mm_config(M, N, K, sliced=False)  # the split-K tile, also at M <= 8
+            base = mm_config(M, N, K, sliced=False)  # the split-K tile, also at M <= 8
             ref = kernels.nvfp4_mm(x, wq[0])
             # what nvfp4_mm runs
             effective = sorted({split_k(KT, s)[0] for s in range(1, 17) if KT // s >= 2})
@@ -317,7 +317,7 @@ def ws(out: dict, Ms=(32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768)):
         _, wq = common.random_nvfp4(N, K, common.copies_for(N * K * 9 // 16))
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            tri = kernels.mm_config(M, N, K)
+            tri = mm_config(M, N, K)
             base = kernels_ws.ws_config(M, N, K)
             alts = ws_alternatives(M, N, K)
             if base is not None and base not in alts:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import quantize as Q
+from util import tensorfile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -414,7 +415,7 @@ def test_bad_corrupt_or_truncated(make_checkpoint, tmp_path, capsys, damage):
 def test_interrupted_run_leaves_nothing(make_checkpoint, tmp_path, monkeypatch):
     out = tmp_path / "o"
     calls = {"n": 0}
-    real = Q.ShardWriter.write_rows
+    real = tensorfile.ShardWriter.write_rows
 
     def boom(self, *a):
         calls["n"] += 1
@@ -422,7 +423,7 @@ def test_interrupted_run_leaves_nothing(make_checkpoint, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, *a)
 
-    monkeypatch.setattr(Q.ShardWriter, "write_rows", boom)
+    monkeypatch.setattr(tensorfile.ShardWriter, "write_rows", boom)
     assert Q.main(["--model", str(make_checkpoint("qwen2")), "--out", str(out),
                    "--quiet", "--device", "cpu"]) == 130
     assert_nothing_left(out)
