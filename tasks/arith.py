@@ -37,11 +37,12 @@ import hashlib
 import json
 import random
 
+from tasks.answer_box import BOXED, last_box
+
 TEST_PERCENT = 10     # share of the instance space that is held out (by hash), in percent
 TEST_SEED = 20261126  # the held-out rows come from this fixed seed: the same prompts every run
 TASKS = {"arith": "train", "arith_test": "test"}  # task name -> split (registered in data.TASKS)
 DEFAULT_DIGITS = 4
-_BOXED = "\\boxed{"
 
 
 def split_of(a: int, b: int) -> str:
@@ -94,7 +95,7 @@ def solution(a: int, b: int, rng: random.Random | None = None,
         so_far = digit + so_far
         lines.append(f"{x}+{y}{'+1' if carry else ''}={s} {so_far}")
         carry = s // 10
-    return "\n".join(lines) + f"\n{_BOXED}{so_far}}}", int(so_far)
+    return "\n".join(lines) + f"\n{BOXED}{so_far}}}", int(so_far)
 
 
 def rows(n: int, seed: int = 0, split: str = "train", digits: int = DEFAULT_DIGITS) -> list[dict]:
@@ -129,15 +130,9 @@ def corpus_example(rng: random.Random, split: str = "train", digits: int = DEFAU
 
 
 def boxed_answer(response: str) -> str | None:
-    """The content of the last complete, closed \\boxed{...} (no nested braces in this task), else
-    None."""
-    start = response.rfind(_BOXED)
-    while start >= 0:
-        end = response.find("}", start + len(_BOXED))
-        if end >= 0:
-            return response[start + len(_BOXED):end].strip()
-        start = response.rfind(_BOXED, 0, start)  # an unclosed last box: an earlier one may count
-    return None
+    """The content of the last complete, closed \\boxed{...} (answer_box.last_box), else None."""
+    box = last_box(response)
+    return None if box is None else box[1]
 
 
 def check(response: str, gold: str) -> tuple[bool, bool]:

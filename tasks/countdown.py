@@ -46,6 +46,8 @@ import random
 import re
 import sys
 
+from tasks.answer_box import BOXED, last_box
+
 MAX_VALUE = 100       # no generated number (given, intermediate or target) is larger
 TEST_PERCENT = 10     # share of the instance space that is held out (by hash), in percent
 TEST_SEED = 20261126  # the held-out rows come from this fixed seed: the same prompts every run
@@ -60,7 +62,6 @@ TASKS = {             # task name -> (split, count of numbers)
     "countdown5": ("train", 5),
     "countdown5_test": ("test", 5),
 }
-_BOXED = "\\boxed{"
 # at most 18 digits a number: int() stays cheap and far from Python's limit on digits it parses
 _NUMBER = r"[0-9]{1,18}"
 _STEP = re.compile(rf"({_NUMBER})([-+*/])({_NUMBER})=({_NUMBER})")
@@ -173,7 +174,7 @@ def solution(steps: list[tuple]) -> str:
     if not steps:
         raise ValueError("a solution needs at least one step")
     lines = [f"{a}{op}{b}={c}" for a, op, b, c in steps]
-    lines.append(f"{_BOXED}{steps[-1][3]}}}")
+    lines.append(f"{BOXED}{steps[-1][3]}}}")
     return "\n".join(lines)
 
 
@@ -216,15 +217,10 @@ def corpus_example(rng: random.Random, split: str = "train", count: int = DEFAUL
     return question(inst["numbers"], inst["target"]), solution(inst["steps"])
 
 
-def _derivations(pool: tuple, target: int, memo: dict) -> list[list[tuple]]:
-    """Every derivation of the sorted multiset `pool` that ends at `target`. Equal values give
-    the same moves, so each distinct pair of values is tried once: the derivations returned are
-    distinct texts. Memoized on the multiset, since many orders of steps reach the same one."""
-    if len(pool) == 1:
-        return [[]] if pool[0] == target else []
-    if pool in memo:
-        return memo[pool]
-    out = []
+def _splits(pool: tuple):
+    """(step, the sorted multiset after it) for every move from the sorted multiset `pool`. Equal
+    values give the same moves, so each distinct pair of values is tried once: the derivations
+    built from these are distinct texts."""
     tried = set()
     for i in range(len(pool)):
         for j in range(i + 1, len(pool)):
@@ -234,11 +230,18 @@ def _derivations(pool: tuple, target: int, memo: dict) -> list[list[tuple]]:
             tried.add(pair)
             rest = pool[:i] + pool[i + 1:j] + pool[j + 1:]
             for step in moves(pool[i], pool[j]):
-                after = tuple(sorted(rest + (step[3],)))
-                for tail in _derivations(after, target, memo):
-                    out.append([step] + tail)
-    memo[pool] = out
-    return out
+                yield step, tuple(sorted(rest + (step[3],)))
+
+
+def _derivations(pool: tuple, target: int, memo: dict) -> list[list[tuple]]:
+    """Every derivation of the sorted multiset `pool` that ends at `target` (distinct texts).
+    Memoized on the multiset, since many orders of steps reach the same one."""
+    if len(pool) == 1:
+        return [[]] if pool[0] == target else []
+    if pool not in memo:
+        memo[pool] = [[step] + tail for step, after in _splits(pool)
+                      for tail in _derivations(after, target, memo)]
+    return memo[pool]
 
 
 def _count(pool: tuple, target: int, memo: dict) -> tuple[int, int]:
@@ -246,24 +249,10 @@ def _count(pool: tuple, target: int, memo: dict) -> tuple[int, int]:
     as `_derivations` lists them."""
     if len(pool) == 1:
         return int(pool[0] == target), 1
-    if pool in memo:
-        return memo[pool]
-    hits = 0
-    total = 0
-    tried = set()
-    for i in range(len(pool)):
-        for j in range(i + 1, len(pool)):
-            pair = (pool[i], pool[j])
-            if pair in tried:
-                continue
-            tried.add(pair)
-            rest = pool[:i] + pool[i + 1:j] + pool[j + 1:]
-            for step in moves(pool[i], pool[j]):
-                h, t = _count(tuple(sorted(rest + (step[3],))), target, memo)
-                hits += h
-                total += t
-    memo[pool] = (hits, total)
-    return hits, total
+    if pool not in memo:
+        counts = [_count(after, target, memo) for _, after in _splits(pool)]
+        memo[pool] = (sum(h for h, _ in counts), sum(t for _, t in counts))
+    return memo[pool]
 
 
 def solve(numbers: list[int], target: int) -> list[list[tuple]]:
@@ -277,18 +266,6 @@ def hit_fraction(numbers: list[int], target: int) -> float:
     a policy that picks its moves at random."""
     hits, total = _count(tuple(sorted(numbers)), target, {})
     return hits / total
-
-
-def _last_box(response: str) -> tuple[int, str] | None:
-    """(start, content) of the last complete, closed \\boxed{...} (no nested braces in this task),
-    else None."""
-    start = response.rfind(_BOXED)
-    while start >= 0:
-        end = response.find("}", start + len(_BOXED))
-        if end >= 0:
-            return start, response[start + len(_BOXED):end].strip()
-        start = response.rfind(_BOXED, 0, start)  # an unclosed last box: an earlier one may count
-    return None
 
 
 def _true(a: int, op: str, b: int, c: int) -> bool:
@@ -317,7 +294,7 @@ def check(response: str, gold_text: str) -> tuple[bool, bool]:
     derivation before the last box (only step lines and blank lines, each step true and made of
     available numbers, every given number used, one number left and it is the target) and exactly
     the target in the box. A malformed gold makes no answer correct."""
-    box = _last_box(response)
+    box = last_box(response)
     if box is None:
         return False, False
     start, content = box

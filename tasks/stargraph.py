@@ -57,6 +57,8 @@ import random
 import re
 import sys
 
+from tasks.answer_box import BOXED, last_box
+
 TEST_PERCENT = 10     # share of the instance space that is held out (by hash), in percent
 TEST_SEED = 20261127  # the held-out rows come from this fixed seed: the same prompts every run
 # task name -> (split, degree, length), for a registry of tasks such as data.TASKS
@@ -73,7 +75,6 @@ DEFAULT_LENGTH = 4
 DEFAULT_MAX_LABEL = 50
 CHECK_ROWS = 20000    # rows of each side that --check compares
 FOLLOW_ROWS = 1000    # rows of each side on which --check tries every first hop
-_BOXED = "\\boxed{"
 
 
 def check_knobs(degree: int, length: int, max_label: int) -> None:
@@ -143,7 +144,7 @@ def solution(instance: dict) -> str:
     path = instance["path"]
     lines = [f"{u}>{v}" for u, v in zip(path, path[1:])]
     boxed = ">".join(str(node) for node in path)
-    return "\n".join(lines) + f"\n{_BOXED}{boxed}}}"
+    return "\n".join(lines) + f"\n{BOXED}{boxed}}}"
 
 
 def gold(instance: dict) -> str:
@@ -209,15 +210,9 @@ def parse_gold(gold: str) -> dict | None:
 
 
 def boxed_answer(response: str) -> str | None:
-    """The content of the last complete, closed \\boxed{...} (no nested braces in this task), else
-    None."""
-    start = response.rfind(_BOXED)
-    while start >= 0:
-        end = response.find("}", start + len(_BOXED))
-        if end >= 0:
-            return response[start + len(_BOXED):end].strip()
-        start = response.rfind(_BOXED, 0, start)  # an unclosed last box: an earlier one may count
-    return None
+    """The content of the last complete, closed \\boxed{...} (answer_box.last_box), else None."""
+    box = last_box(response)
+    return None if box is None else box[1]
 
 
 def parse_path(text: str) -> list[int] | None:
