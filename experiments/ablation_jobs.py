@@ -7,11 +7,13 @@ One run = one worker process (`qerl_ablation.py --worker JSON`): `train.main` in
 OUT/runs/<arm>-lr<lr>-s<seed>, then post.json: the entropy probe (the policy's mean token entropy
 before any update over its own --entropy-samples completions of each held-out prompt, at a fixed
 sampling seed; AQN arms also at sigma_start) and pass@k from --pass-k-n samples a prompt before any
-update and after the last step (eval.evaluate, the unbiased estimator). A run that was stopped
-resumes from its last checkpoint. The scheduler keeps a fixed list of slots (a GPU id, or None for
-the CPU) busy, one worker a slot, stops starting runs after --launch-until seconds, names each
-failed run with its error while the others go on, and adds each attempt's wall time x its GPU share
-to timing/.
+update and after the last step (eval.evaluate, the unbiased estimator); a run that only chooses a
+learning rate (post None) skips them: the rule reads its training curve alone. A run that was
+stopped resumes from its last checkpoint; a trained run brought back by --pack (numbers, no
+weights) whose evaluations are still missing trains again. The scheduler keeps a fixed list of
+slots (a GPU id, or None for the CPU) busy, one worker a slot, starts no run after --launch-until
+nor one that would end after --finish-by, names each failed run with its error while the others go
+on, and adds each attempt's wall time x its GPU share to timing/.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
 import json
@@ -58,8 +60,15 @@ def run_state(run: Path) -> str:
     return "resume" if ok and int(name[5:]) < steps else "new"
 
 
-def post_done(run: Path, settings: dict) -> bool:
-    return load_json(run / "post.json", {}).get("settings") == settings
+def post_done(run: Path, settings: dict | None) -> bool:
+    """Whether the post-run evaluations this run needs are written (none needed: settings None)."""
+    return settings is None or load_json(run / "post.json", {}).get("settings") == settings
+
+
+def final_adapter(run: Path) -> Path:
+    """The adapter of the run's last step, which the post-run pass@k reads."""
+    steps = json.loads((run / "config.json").read_text())["steps"]
+    return run / "checkpoints" / f"step_{steps:06d}" / "adapter"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -147,6 +156,8 @@ def worker(spec: dict) -> int:
 
     run = Path(spec["run"])
     state = run_state(run)
+    if state == "trained" and not post_done(run, spec["post"]) and not final_adapter(run).exists():
+        state = "new"  # its numbers came back from another machine without the weights
     if state != "trained":
         if state == "resume" and not spec["restart_partial"]:
             # train.py's resume reads every line: drop a partial last one
@@ -195,20 +206,26 @@ def add_time(exp: Path, name: str, seconds: float, share: float, slot) -> None:
 
 
 def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Path,
-             launch_until: float | None = None) -> tuple[dict, int]:
-    """Run the jobs on the slots, starting none after `launch_until` (time.time() value). Returns
-    ({name: error} of the failed runs, the number of jobs left unstarted). Ctrl-C stops the workers
-    (each keeps its last checkpoint) and returns."""
+             launch_until: float | None = None, finish_by: float | None = None,
+             mps: dict | None = None) -> tuple[dict, int]:
+    """Run the jobs on the slots, starting none after `launch_until` and none that would end after
+    `finish_by` (time.time() values; a run's length judged by the longest one finished in this
+    call, so the first wave always starts). Returns ({name: error} of the failed runs, the number
+    of jobs left unstarted). Ctrl-C stops the workers (each keeps its last checkpoint) and
+    returns. mps: {GPU id: the client environment of its MPS daemon} (mps_start), or None."""
     from tqdm import tqdm
 
     threads = max(1, (os.cpu_count() or 1) // len(slots))  # workers must not each take every core
     pending, running, failed = list(jobs), {}, {}
+    lengths = []  # wall seconds of the runs finished in this call
     bar = tqdm(total=len(jobs), desc="runs", unit="run")
 
     def finish(slot, error=None):
         job, proc, t0, f, log, offset = running.pop(slot)
         f.close()
         add_time(exp, job["name"], time.time() - t0, share, slots[slot])
+        if not (error or proc.returncode):
+            lengths.append(time.time() - t0)
         if error or proc.returncode:
             failed[job["name"]] = (error or f"exit {proc.returncode}: {last_error(log, offset)} "
                                             f"(log: {log})")
@@ -227,6 +244,11 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                    CUDA_VISIBLE_DEVICES=slots[slot] or "")
         env.setdefault("OMP_NUM_THREADS", str(threads))
+        if mps:
+            # an MPS client reaches its GPU through the daemon, which sees that GPU alone; the
+            # client must not pick devices itself
+            env.update(mps[slots[slot]])
+            env.pop("CUDA_VISIBLE_DEVICES")
         cmd = [sys.executable, str(script), "--out", str(exp), "--worker", json.dumps(job)]
         # its own session, so that Ctrl-C reaches it only through us
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -235,9 +257,14 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
 
     try:
         while pending or running:
-            late = launch_until is not None and time.time() > launch_until
+            now = time.time()
+            late = launch_until is not None and now > launch_until
+            # a run started now would end after --finish-by: it would be lost with the machine
+            if finish_by is not None and lengths:
+                late = late or now + max(lengths) > finish_by
             if late and pending:
-                tqdm.write(f"--launch-until reached: {len(pending)} runs left for the next call")
+                tqdm.write(f"--launch-until / --finish-by reached: {len(pending)} runs left for "
+                           "the next call")
                 bar.total -= len(pending)
                 pending = pending[:0]
             free = [s for s in range(len(slots)) if s not in running]
@@ -255,6 +282,38 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
         print("\ninterrupted: rerun the same command to resume the stopped runs", file=sys.stderr)
     bar.close()
     return failed, len(jobs) - bar.n
+
+
+def mps_start(gpus: list[str]) -> dict:
+    """One CUDA MPS control daemon per GPU, run as this user (the GPU's own settings unchanged):
+    the runs sharing a GPU then run their kernels side by side instead of taking turns, which a
+    small model's short kernels leave mostly idle. Returns {GPU id: its clients' environment}; the
+    pipe folders are short temporary ones (a socket path has a length limit)."""
+    import tempfile
+
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        raise FileNotFoundError("--mps needs nvidia-cuda-mps-control (the NVIDIA driver's "
+                                "utilities) on PATH: install them, or leave out --mps")
+    envs = {}
+    for g in gpus:
+        d = Path(tempfile.mkdtemp(prefix=f"mps{g}-"))
+        client = dict(CUDA_MPS_PIPE_DIRECTORY=str(d / "pipe"),
+                      CUDA_MPS_LOG_DIRECTORY=str(d / "log"))
+        for v in client.values():
+            Path(v).mkdir()
+        subprocess.run([exe, "-d"], env=dict(os.environ, CUDA_VISIBLE_DEVICES=g, **client),
+                       check=True, timeout=60)
+        envs[g] = client
+    return envs
+
+
+def mps_stop(envs: dict) -> None:
+    """Ask each daemon of mps_start to quit (it ends its server once the clients are gone)."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    for client in envs.values():
+        subprocess.run([exe], input="quit\n", text=True, env=dict(os.environ, **client),
+                       timeout=60)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ seeds.
     # the Countdown ablation (README, "Does quantization noise help?"): every arm at three
     # learning rates on 3 selection seeds, then at its own best one on 12 seeds, in parts
     python experiments/qerl_ablation.py --out runs/ablation-cd5 --design countdown5 \\
-        --procs-per-gpu 8 --launch-until 420 --part part1 --pack ablation-cd5.tgz
+        --procs-per-gpu 10 --finish-by 1500 --part part1 --pack ablation-cd5.tgz
     python experiments/qerl_ablation.py --out runs/ablation-cd5 --report-only   # results.* again
 
 Arms (ARMS): bf16 + LoRA; NVFP4 + LoRA; NVFP4 + LoRA + AQN at sigma_start 1e-2 (QeRL's), 1e-1 and
@@ -27,11 +27,13 @@ learning rate (the comparison at equal learning rates). Without --select-seeds, 
 every learning rate on every seed and the claims are judged at each.
 
 A rerun skips finished runs, resumes a partial one from its last checkpoint (or starts it again:
---restart-partial), stops starting runs after --launch-until seconds (a machine's call has a time
-limit), and names each failed run with its error while the others go on (experiments/
-ablation_jobs.py runs them). The report (results.json, results.md, fig_lr<lr>.png, selection.json)
-reads only the run folders, so --report-only redoes it alone; --pack writes what a machine brings
-back. GPU time: each attempt's wall time x its GPU share, per arm and per --part.
+--restart-partial), starts no run after --launch-until seconds nor one that would end after
+--finish-by (a machine's time is limited), and names each failed run with its error while the
+others go on (experiments/ablation_jobs.py runs them). One scheduler per folder (a lock); --mps
+lets the runs sharing a GPU run their kernels side by side. The report (results.json, results.md,
+fig_lr<lr>.png, selection.json) reads only the run folders, so --report-only redoes it alone;
+--pack writes what a machine brings back. GPU time: each attempt's wall time x its GPU share, per
+arm and per --part.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
 if __name__ == "__main__":
@@ -46,6 +48,7 @@ if __name__ == "__main__":
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -132,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="runs at once on each GPU, or on the CPU with --gpus 0 (default: 1)")
     ap.add_argument("--launch-until", type=float, default=None,
                     help="start no run after this many seconds (the rest wait for a rerun)")
+    ap.add_argument("--finish-by", type=float, default=None,
+                    help="start no run that would end after this many seconds, judged by the "
+                         "longest run finished so far in this call (a machine's time runs out: "
+                         "a run stopped with it is lost when its checkpoints stay there)")
+    ap.add_argument("--mps", action="store_true",
+                    help="run an MPS daemon on each GPU while the runs go, so the runs sharing a "
+                         "GPU run their kernels side by side (needs nvidia-cuda-mps-control; "
+                         "the numbers are the same, only the time changes)")
     ap.add_argument("--part", default=None,
                     help="a name for this invocation in sessions.json (GPU time per part)")
     ap.add_argument("--pack", default=None,
@@ -259,8 +270,10 @@ def cells(exp: Path, cfg: dict) -> list[tuple[str, float, int, str]]:
 def plan(cfg: dict, exp: Path, dry_run: bool) -> tuple[list, int]:
     """The jobs of the runs left to do and the number of finished runs skipped. dry_run: print each
     run's state and command instead."""
-    post, todo, skipped = {k: cfg[k] for k in POST_KEYS}, [], 0
+    todo, skipped = [], 0
     for arm, lr, seed, phase in cells(exp, cfg):
+        # the selection rule reads the training curve alone: no post-run evaluations there
+        post = {k: cfg[k] for k in POST_KEYS} if phase == "verdict" else None
         name = run_name(arm, lr, seed)
         run = exp / "runs" / name
         argv = cfg["train_flags"] + ARMS[arm][1] + ["--lr", str(lr), "--seed", str(seed),
@@ -415,6 +428,12 @@ def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
     if not 0 <= gpus <= visible:
         raise Stop(f"--gpus {gpus}: torch sees {visible} CUDA device(s) here; pass at most "
                    f"{visible}, or 0 for the CPU")
+    if args.mps and not args.report_only:
+        if gpus == 0:
+            raise Stop("--mps shares GPUs between runs: it needs --gpus >= 1 (none here)")
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            raise Stop("--mps needs nvidia-cuda-mps-control (the NVIDIA driver's utilities) on "
+                       "PATH: install them, or leave out --mps")
     cfg = dict(out=str(exp), design=args.design or (saved or {}).get("design"), arms=arms,
                seeds=seeds, select_seeds=select_seeds, every_lr=every_lr, lrs=lrs, gpus=gpus,
                procs_per_gpu=args.procs_per_gpu, **v, restart_partial=args.restart_partial,
@@ -433,28 +452,21 @@ def execute(args, cfg: dict, exp: Path, slots: list) -> dict:
     plannable once its selection runs are done). Returns {name: error} of the failed runs."""
     t0 = time.time()
     until = t0 + args.launch_until if args.launch_until is not None else None
-    failed, ran = {}, 0
+    finish_by = t0 + args.finish_by if args.finish_by is not None else None
     if cfg["train_flags"] and "tiny" in cfg["train_flags"]:
         from util import tiny
         for seed in cfg["seeds"] + cfg["select_seeds"]:  # made per seed on first use: once, here
             tiny.tiny_model_dir(seed)
-    while True:
-        todo, skipped = plan(cfg, exp, False)
-        todo = [j for j in todo if j["name"] not in failed]
-        print(f"{len(todo)} runs to do on {len(slots)} slot(s) "
-              f"({', '.join(s or 'cpu' for s in slots)}); {skipped} finished runs skipped")
-        if not todo:
-            break
-        bad, left = jobs.run_jobs(todo, slots, exp, 1.0 / cfg["procs_per_gpu"],
-                                  Path(__file__).resolve(), until)
-        failed.update(bad)
-        ran += len(todo) - left
-        if left or until and time.time() > until:
-            break
+    mps = jobs.mps_start(sorted(set(slots))) if args.mps else None
+    try:
+        failed, ran = run_all(args, cfg, exp, slots, until, finish_by, mps)
+    finally:
+        if mps:
+            jobs.mps_stop(mps)
     session = dict(started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0)),
                    wall_s=time.time() - t0, devices=max(1, cfg["gpus"]),
                    procs_per_device=cfg["procs_per_gpu"], runs=ran, failed=len(failed),
-                   part=args.part)
+                   part=args.part, mps=bool(mps))
     sessions = jobs.load_json(exp / "sessions.json", []) + [session]
     fsutil.atomic_write_text(exp / "sessions.json", json.dumps(sessions, indent=1))
     old = jobs.load_json(exp / "failed.json", {})
@@ -462,6 +474,45 @@ def execute(args, cfg: dict, exp: Path, slots: list) -> dict:
     failed_all = {k: v for k, v in old.items() if k not in done} | failed
     fsutil.atomic_write_text(exp / "failed.json", json.dumps(failed_all, indent=1))
     return failed
+
+
+def run_all(args, cfg: dict, exp: Path, slots: list, until, finish_by, mps) -> tuple[dict, int]:
+    """Plan and run rounds until nothing plannable is left or time is up: ({name: error}, runs
+    started)."""
+    failed, ran = {}, 0
+    while True:
+        todo, skipped = plan(cfg, exp, False)
+        todo = [j for j in todo if j["name"] not in failed]
+        print(f"{len(todo)} runs to do on {len(slots)} slot(s) "
+              f"({', '.join(s or 'cpu' for s in slots)}); {skipped} finished runs skipped")
+        if not todo:
+            return failed, ran
+        bad, left = jobs.run_jobs(todo, slots, exp, 1.0 / cfg["procs_per_gpu"],
+                                  Path(__file__).resolve(), until, finish_by, mps)
+        failed.update(bad)
+        ran += len(todo) - left
+        if left or until and time.time() > until or finish_by and time.time() > finish_by:
+            return failed, ran
+
+
+def hold_lock(exp: Path):
+    """One scheduler per experiment folder: a second would start the same runs again and the two
+    would delete each other's files. Returns the open lock file (the lock ends with the
+    process)."""
+    import fcntl
+
+    f = open(exp / "lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        raise Stop(f"another qerl_ablation.py (pid {pid}) is running on {exp}: wait for it to end "
+                   "or stop it (Ctrl-C keeps every run's last checkpoint), then run this again")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def main(argv=None) -> int:
@@ -481,8 +532,14 @@ def main(argv=None) -> int:
         return 0
     if not args.report_only:
         exp.mkdir(parents=True, exist_ok=True)
+        try:
+            lock = hold_lock(exp)
+        except Stop as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         fsutil.atomic_write_text(exp / "config.json", json.dumps(cfg, indent=1))
         failed = execute(args, cfg, exp, slots)
+        lock.close()
     res = report(exp, cfg)
     for c in res["claims"]:
         print(f"{c['verdict']:>12}  {c['claim']} (lr {c['lr_text']}, {c['n']} seeds paired)")

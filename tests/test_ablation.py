@@ -5,6 +5,7 @@ runs, a broken run is named with its error while the other run goes on, and --re
 the report alone."""
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_bad_input_is_one_line(capsys, tmp_path):
              (["--lrs", "1e-3", "--steps", "x"], "--steps: invalid int value"),
              (["--lrs", "1e-3", "--algo", "ppo"], "unknown algo"),
              (["--lrs", "1e-3", "--tis-cap", "0"], "nvfp4_aqn_notis is the one without it"),
+             (["--lrs", "1e-3", "--gpus", "0", "--mps"], "--mps shares GPUs between runs"),
              (["--report-only"], "holds no experiment")]
     for argv, needle in cases:
         assert abl.main(["--out", out] + argv) == 2
@@ -348,3 +350,99 @@ def test_pack_keeps_the_numbers_and_no_weights(tmp_path):
                      "runs/bf16-lr0.0001-s0/eval/step_000002/summary.json",
                      "runs/bf16-lr0.0001-s0/metrics.jsonl", "runs/bf16-lr0.0001-s0/post.json",
                      "timing/bf16-lr0.0001-s0.json"]
+
+
+def test_selection_runs_need_no_post_and_a_run_brought_back_without_weights_trains_again(
+        tmp_path, monkeypatch):
+    exp = tmp_path / "exp"
+    cfg = selection_cfg(exp) | dict(arms=["bf16"], lrs=[1e-4], select_seeds=[100], seeds=[0])
+    # both trained (the final evaluation's row is there), neither has post.json nor weights
+    for seed in (100, 0):
+        fake_run(exp / "runs" / abl.run_name("bf16", 1e-4, seed), [0.2, 0.3], seed, 1e-4)
+    todo, skipped = abl.plan(cfg, exp, False)
+    # the selection run is done (the rule reads its curve alone); the verdict run needs pass@k
+    assert skipped == 1 and [j["name"] for j in todo] == ["bf16-lr0.0001-s0"]
+    assert todo[0]["post"] == {k: cfg[k] for k in abl.POST_KEYS}
+
+    import train
+    calls = []
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or 7)
+    # its pass@k needs the last step's adapter, which did not come back: trained again, from new
+    assert jobs.worker(todo[0]) == 7 and calls == [todo[0]["train_argv"]]
+    assert not (exp / "runs" / "bf16-lr0.0001-s0").exists()
+    # a selection run's worker trains nothing and evaluates nothing more
+    sel = dict(todo[0], name="bf16-lr0.0001-s100", run=str(exp / "runs" / "bf16-lr0.0001-s100"),
+               post=None)
+    assert jobs.worker(sel) == 0 and len(calls) == 1
+    assert not (exp / "runs" / "bf16-lr0.0001-s100" / "post.json").exists()
+
+
+def test_one_scheduler_per_experiment_folder(tmp_path):
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    first = abl.hold_lock(exp)
+    with pytest.raises(abl.Stop, match=r"another qerl_ablation.py \(pid \d+\) is running on"):
+        abl.hold_lock(exp)
+    first.close()
+    abl.hold_lock(exp).close()  # free again once the first one ends
+
+
+def test_finish_by_starts_no_run_that_would_end_after_it(tmp_path):
+    # a stand-in worker that takes 1 s; one slot. Run 1 ends near 1.0 s; run 2 would end near
+    # 2.0 s < 2.6 s, so it starts; run 3 would end near 3.0 s > 2.6 s, so it waits for the next call
+    script = tmp_path / "worker.py"
+    script.write_text("import time\ntime.sleep(1.0)\n")
+    exp = tmp_path / "exp"
+    jobs_ = [dict(name=f"r{i}") for i in range(3)]
+    t0 = __import__("time").time()
+    failed, left = jobs.run_jobs(jobs_, [None], exp, 1.0, script, finish_by=t0 + 2.6)
+    assert failed == {} and left == 1
+    assert sorted(p.name for p in (exp / "timing").iterdir()) == ["r0.json", "r1.json"]
+
+
+def test_mps_daemons_per_gpu_and_their_clients_environment(tmp_path, monkeypatch):
+    # a stand-in for nvidia-cuda-mps-control that logs how it was called, and a stand-in worker
+    # that logs the environment it got
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    calls = tmp_path / "calls.jsonl"
+    fake = bin_ / "nvidia-cuda-mps-control"
+    fake.write_text(f"""#!{sys.executable}
+import json, os, sys
+stdin = "" if "-d" in sys.argv else sys.stdin.read()
+keys = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY")
+with open({str(calls)!r}, "a") as f:
+    f.write(json.dumps(dict(args=sys.argv[1:], stdin=stdin,
+                            env={{k: os.environ.get(k) for k in keys}})) + "\\n")
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    envs = jobs.mps_start(["0", "1"])
+    started = [json.loads(x) for x in calls.read_text().splitlines()]
+    # one daemon a GPU, each seeing its GPU alone, each with its own pipe folder
+    assert [c["args"] for c in started] == [["-d"], ["-d"]]
+    assert [c["env"]["CUDA_VISIBLE_DEVICES"] for c in started] == ["0", "1"]
+    assert [c["env"]["CUDA_MPS_PIPE_DIRECTORY"] for c in started] == [
+        envs[g]["CUDA_MPS_PIPE_DIRECTORY"] for g in ("0", "1")]
+    assert envs["0"]["CUDA_MPS_PIPE_DIRECTORY"] != envs["1"]["CUDA_MPS_PIPE_DIRECTORY"]
+
+    worker = tmp_path / "worker.py"
+    worker.write_text("import json, os, sys\n"
+                      "spec = json.loads(sys.argv[sys.argv.index('--worker') + 1])\n"
+                      "keys = ('CUDA_VISIBLE_DEVICES', 'CUDA_MPS_PIPE_DIRECTORY')\n"
+                      "open(spec['log'], 'w').write(json.dumps({k: os.environ.get(k) "
+                      "for k in keys}))\n")
+    exp = tmp_path / "exp"
+    todo = [dict(name=f"r{i}", log=str(tmp_path / f"r{i}.json")) for i in range(2)]
+    failed, left = jobs.run_jobs(todo, ["0", "1"], exp, 0.5, worker, mps=envs)
+    assert failed == {} and left == 0
+    got = [json.loads(Path(j["log"]).read_text()) for j in todo]
+    # each run reaches its slot's GPU through that GPU's daemon and picks no device itself
+    assert got == [dict(CUDA_VISIBLE_DEVICES=None,
+                        CUDA_MPS_PIPE_DIRECTORY=envs[g]["CUDA_MPS_PIPE_DIRECTORY"])
+                   for g in ("0", "1")]
+    jobs.mps_stop(envs)
+    stopped = [json.loads(x) for x in calls.read_text().splitlines()][2:]
+    assert [(c["args"], c["stdin"]) for c in stopped] == [([], "quit\n")] * 2
+    assert [c["env"]["CUDA_MPS_PIPE_DIRECTORY"] for c in stopped] == [
+        envs[g]["CUDA_MPS_PIPE_DIRECTORY"] for g in ("0", "1")]

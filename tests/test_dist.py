@@ -11,17 +11,20 @@ thread: a CPU matmul splits its sums by thread, so a one-process run on all the 
 torchrun's ranks (one thread each, torchrun's default) differ in their last bits, and AdamW, which
 divides by the gradient's own scale, carries that into the adapters: 2.1e-6 after two steps with
 16 threads against 1 on the 2-core CI machine, 5.4e-5 in a full test run on a 16-core H100 host.
-With one thread in every process the adapters are bit-identical on the CI machine.
+With one thread in every process the adapters are bit-identical on the CI machine, but not on
+every CPU: 2.0e-5 and 2.4e-5 on a 32-core H200 host (torch 2.11 with CUDA, one thread each), where
+the kernels chosen for the micro-batches of other shapes still sum in another order.
 
 Tolerances (2 ranks against 1 process, the same global batch and seed): the sampled tokens,
 rewards, accuracies, counts and evaluation files are equal; float metrics differ only by the order
 of the sums (micro-batches of other shapes, the ranks' partial sums added last): at most 9e-8
 absolute measured (ratio_mean; mismatch_abs, a difference of two log-probs near 3e-4, 1.2e-8
-absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters: 0 apart after
-both steps measured on one thread, asserted abs 1e-5 (room for a CPU whose kernels sum the
-micro-batches of other shapes in another order, and still far below the up to 5e-3, the tiny
-model's lr, that one AdamW step moves a weight). Each rank's own adapter is bit-identical to the
-other's after every step.
+absolute = 4.5e-5 relative), asserted within rel 1e-5 or abs 1e-6. The adapters: 0 to 2.4e-5
+apart after both steps on one thread (above), asserted abs 1e-4: 2% of the up to 5e-3, the tiny
+model's lr, that one AdamW step moves a weight (its first step moves each weight by about the lr
+whatever the gradient's scale, so a gradient that differs by more than rounding, such as one rank's
+half of the batch, shows at that order). Each rank's own adapter is bit-identical to the other's
+after every step.
 """
 import json
 import os
@@ -113,7 +116,7 @@ def adapter(out: Path, step: int) -> dict:
 
 def assert_close_adapters(a: dict, b: dict):
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4
     # the steps really moved B from 0
     assert max(b[k].abs().max().item() for k in b if "lora_B" in k) > 1e-3
 
