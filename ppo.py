@@ -7,9 +7,13 @@ the LoRA weights, under torchrun too.
 The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
 file decides which sequences go into which optimizer step, and with which learning rate (the
 schedule of trainer/schedule.py, set before every optimizer step).
-Under torchrun (util/dist.py) each rank holds only its own groups' sequences, but the shuffle and
-the minibatch split run over the global batch and every loss is divided by the minibatch's global
-token and sequence counts, so the summed gradient is the one-process gradient.
+Under torchrun (util/dist.py) every rank holds the whole batch (gather_groups: the ranks' groups,
+a few MB of token ids and log-probs), the shuffle and the minibatch split run over it as in one
+process, and each rank trains an equal share of every minibatch (rows rank, rank + world, ... of
+it). Each loss is divided by the minibatch's global token and sequence counts, so the summed
+gradient is the one-process gradient, and no rank waits for another in the all-reduce: with each
+rank training only its own groups, a random minibatch gave one rank 34 and the other 30 of its 64
+sequences (2 ranks x 64), and the all-reduce waited for the larger share every step.
 
 Leaves out: value functions (GRPO needs none), gradient accumulation across steps.
 """
@@ -23,6 +27,42 @@ import model as M
 from trainer.schedule import lr_factor, set_lr
 from util import dist
 
+
+
+def gather_groups(groups: list[dict], slots: list[int], ctx) -> list[dict]:
+    """Under torchrun: the whole batch's groups on every rank, in their global order (slots: each
+    of this rank's groups' place in the batch). Only what make_batch and the advantages read
+    travels: prompt, samples and shaped rewards (pickled)."""
+    mine = [(s, dict(prompt=g["prompt"], samples=g["samples"], rewards=g["rewards"]))
+            for s, g in zip(slots, groups)]
+    every = sorted((x for part in ctx.gather(mine) for x in part), key=lambda x: x[0])
+    return [g for _, g in every]
+
+
+def batch_logprobs(model, b, temperature, micro_batch, noise=None, ctx=dist.SINGLE,
+                   shared=False, entropy=True) -> tuple[torch.Tensor, float, float]:
+    """The policy's log-probs of every sequence of b before any update (no gradient), (S, T), and
+    (entropy=True) the entropy of those tokens as (sum, token count) over this rank's rows, else
+    (0, 0). shared: every rank holds the whole batch (gather_groups): each computes an equal share
+    of the rows (rank, rank + world, ...) and one all-reduce fills in the others'."""
+    S = b["ids"].shape[0]
+    idx = torch.arange(S, device=b["ids"].device)                            # (S,)
+    if shared:
+        idx = idx[ctx.rank::ctx.world]                                       # (~S / world,)
+    with torch.no_grad():
+        outs = [policy_logprobs(model, b, c, temperature, entropy=entropy, noise=noise)
+                for c in idx.split(micro_batch)]
+    lp = torch.cat([o[0] for o in outs]) if outs else b["mask"][:0]         # (s, T)
+    ent_sum = n_tok = 0.0
+    if entropy:
+        ent = torch.cat([o[1] for o in outs]) if outs else b["mask"][:0]    # (s, T)
+        mask = b["mask"][idx]                                                # (s, T)
+        ent_sum, n_tok = (ent * mask).sum().item(), mask.sum().item()
+    if shared:
+        full = torch.zeros_like(b["mask"], dtype=lp.dtype)                   # (S, T)
+        full[idx] = lp
+        lp = ctx.sum_tensor(full)                          # each row from the one rank that has it
+    return lp, ent_sum, n_tok
 
 
 def optimizer(cfg, params) -> torch.optim.AdamW:
@@ -77,11 +117,15 @@ def policy_logprobs(model, b, idx, temperature, entropy=False, noise=None):
 # --------------------------------------------------------------------------------------------------
 # The update
 
-def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int):
+def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int, ctx=dist.SINGLE):
     """The step's optimizer steps: [(global optimizer step index, this rank's rows of it)].
 
     Shuffle (from shuffle_seed) and split run over the S global sequence indices, as in one
-    process; rows (s,) holds the global index of each of this rank's sequences."""
+    process; rows (s,) holds the global index of each of this rank's sequences, or None when the
+    rank holds all S (gather_groups): then it takes an equal share of each minibatch."""
+    share = slice(None)                             # the rank's own members of a minibatch
+    if rows is None:                                # it holds all S: an equal share of each
+        rows, share = torch.arange(S), slice(ctx.rank, None, ctx.world)
     where = torch.full((S,), -1, dtype=torch.long)  # global index -> this rank's row (-1: not ours)
     where[rows] = torch.arange(len(rows))
     per_step = cfg.epochs * cfg.minibatches
@@ -90,7 +134,7 @@ def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int):
     for epoch in range(cfg.epochs):
         order = torch.randperm(S, generator=g)                                   # (S,)
         for j, mb in enumerate(order.chunk(cfg.minibatches)):
-            ours = where[mb]
+            ours = where[mb][share]
             index = step * per_step + epoch * cfg.minibatches + j
             plan.append((index, ours[ours >= 0].to(dev)))
     return plan
@@ -102,12 +146,13 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
     optimizer step whose loss or gradient norm is not finite, so no NaN reaches the weights.
 
     b: this rank's sequences (None: it has none); rows (s,): their indices in the global batch of
-    S sequences (all of it in one process). Each rank runs its members of every minibatch under
-    the minibatch's GLOBAL token and sequence counts, and the ranks' gradients are summed before
-    each optimizer step, so every rank makes the one-process update. noise: AQN's in the training
-    forward (--aqn-where both), else None."""
+    S sequences (all of it in one process), or None when b is the whole batch on every rank
+    (gather_groups). Each rank runs its members of every minibatch under the minibatch's GLOBAL
+    token and sequence counts, and the ranks' gradients are summed before each optimizer step, so
+    every rank makes the one-process update. noise: AQN's in the training forward (--aqn-where
+    both), else None."""
     dev = model.model.norm.weight.device
-    plan = minibatch_plan(cfg, step, rows, S, dev, shuffle_seed)
+    plan = minibatch_plan(cfg, step, rows, S, dev, shuffle_seed, ctx)
     total = cfg.steps * cfg.epochs * cfg.minibatches              # optimizer steps in the run
     tis = grpo.resolve_tis_cap(p["tis_cap"])
 

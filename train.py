@@ -25,12 +25,12 @@ evaluation are in trainer/prepare.py, the flags in trainer/config.py.
 
 Several GPUs (torchrun, util/dist.py): data parallel by whole prompt groups; --prompts-per-step
 stays global. Each rank rolls out and scores its share of every round with its own engine; no draw
-depends on the rank, DAPO counts kept groups over all ranks, the minibatches are one process's under
-global counts, and the LoRA gradients are summed: N ranks make the one-process update. Rank 0 logs
+depends on the rank, DAPO counts kept groups over all ranks, every rank then takes the whole batch
+and trains an equal share of each of one process's minibatches under global counts, and the LoRA
+gradients are summed: N ranks make the one-process update. Rank 0 logs
 and writes checkpoints, which any number of ranks can --resume.
 
-Leaves out: reward models, value functions, several machines (untested), rebalancing DAPO's kept
-groups across ranks.
+Leaves out: reward models, value functions, several machines (untested).
 """
 if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
     from util import versions  # checked before torch loads: a missing or wrong one is one line
@@ -204,36 +204,35 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
         m["skipped"] = 1
         return m
 
-    # 3. advantages, and the trainer's log-probs before any update (pi_old; pi_ref when beta > 0)
+    # 3. advantages, and the trainer's log-probs before any update (pi_old; pi_ref when beta > 0).
+    #    Under torchrun every rank takes the whole batch, to train an equal share of each
+    #    minibatch (ppo.py says why)
     t1 = time.time()
     dev = model.model.norm.weight.device
+    shared = ctx.world > 1
+    if shared:
+        batch = ppo.gather_groups(batch, r["slots"], ctx)
     b, ent_sum, n_mask = None, 0.0, 0.0
-    if batch:                              # this rank's groups (under torchrun it may have none)
+    if batch:
         shaped = torch.stack([g["rewards"] for g in batch])                     # (B, G)
         adv = grpo.group_advantages(shaped, p["std_normalize"])                 # (B, G)
         b = ppo.make_batch(batch, adv, dev)
         if p["mask_truncated"]:
             b["mask"] = grpo.mask_truncated(b["mask"], b["truncated"])
-        S = b["ids"].shape[0]
-        chunks = torch.arange(S, device=dev).split(cfg.micro_batch)
-        with torch.no_grad():
-            olds = [ppo.policy_logprobs(model, b, c, cfg.temperature, entropy=True, noise=z_train)
-                    for c in chunks]
-            b["old_logp"] = torch.cat([o[0] for o in olds])                     # (S, T)
-            ent = torch.cat([o[1] for o in olds])                               # (S, T)
-            if p["beta"] > 0:
-                with lora.disabled(model):                                      # the base policy
-                    refs = [ppo.policy_logprobs(model, b, c, cfg.temperature, noise=z_train)[0]
-                            for c in chunks]
-                b["ref_logp"] = torch.cat(refs)                                 # (S, T)
-        ent_sum = (ent * b["mask"]).sum().item()
-        n_mask = b["mask"].sum().item()
+        b["old_logp"], ent_sum, n_mask = ppo.batch_logprobs(                    # (S, T)
+            model, b, cfg.temperature, cfg.micro_batch, z_train, ctx, shared)
+        if p["beta"] > 0:
+            with lora.disabled(model):                                          # the base policy
+                b["ref_logp"] = ppo.batch_logprobs(                             # (S, T)
+                    model, b, cfg.temperature, cfg.micro_batch, z_train, ctx, shared,
+                    entropy=False)[0]
     ent_sum, n_mask = ctx.sum([ent_sum, n_mask])
     m["entropy"] = ent_sum / max(n_mask, 1.0)          # mean over all ranks' tokens
 
     # 4. the PPO updates; each sequence's global index is its group's slot x G + its sample
     G = cfg.group_size
-    rows_ = torch.tensor([s * G + k for s in r["slots"] for k in range(G)], dtype=torch.long)
+    rows_ = None if shared else torch.tensor([s * G + k for s in r["slots"] for k in range(G)],
+                                             dtype=torch.long)
     m.update(ppo.ppo_update(cfg, p, step, model, b, opt_, rows_, r["batch_groups"] * G,
                             seeded(cfg, "shuffle", step), z_train, ctx))
     times["t_train"] = time.time() - t1

@@ -10,10 +10,14 @@
 The step is `python -m bench train`'s: Qwen2.5-7B shapes with random weights (NVFP4 base), LoRA r32
 on every linear, 256 prompt tokens, 8 samples a prompt of 512 new tokens each (EOS ignored), random
 rewards, the trainer's pi_old and 2 minibatch updates in micro-batches of 8; but through train.py's
-own several-GPU code: each rank rolls out its share of the prompts with its own engine,
-ppo.ppo_update splits the global batch into the global minibatches and sums the LoRA gradient with
-one all-reduce per optimizer step. Each (mode, N) is one torchrun job running this file with
---worker; the parent collects what rank 0 wrote and prints the table.
+own several-GPU code: each rank rolls out its share of the prompts with its own engine, every rank
+then takes the whole batch (ppo.gather_groups) and trains an equal share of each global minibatch
+(ppo.ppo_update), and the LoRA gradient is summed with one all-reduce per optimizer step. --batch
+own trains the earlier way instead, each rank its own groups' members of each minibatch: a random
+minibatch gives one rank more of them than the other (34 against 30 of 64, and the next minibatch
+the reverse), and the all-reduce waits for the larger share; the row's `members` (sequences each
+rank trained in each minibatch of the last step) shows it. Each (mode, N) is one torchrun job
+running this file with --worker; the parent collects what rank 0 wrote and prints the table.
 
 Weak scaling keeps 8 prompts per GPU (8N in all): efficiency T(1) / T(N); the goal is 90% at 2 GPUs
 and 85% at 4.
@@ -119,21 +123,26 @@ def worker(args) -> int:
                    for i in range(lo, hi)]
         samples = eng.generate(prompts, n=G, max_new_tokens=args.new_tokens, stop_token_ids=[],
                                seed=step * 1_000_003 + lo * G)
-        groups = [dict(prompt=prompts[i], samples=samples[i * G:(i + 1) * G])
-                  for i in range(hi - lo)]
         rewards = torch.rand(P, G,
                              generator=torch.Generator().manual_seed(step))[lo:hi]  # (groups, G)
-        b = ppo.make_batch(groups, grpo.group_advantages(rewards), dev)
+        groups = [dict(prompt=prompts[i], samples=samples[i * G:(i + 1) * G], rewards=rewards[i])
+                  for i in range(hi - lo)]
         sync(dev)
         t1 = time.perf_counter()
-        S = b["ids"].shape[0]
-        with torch.no_grad():
-            b["old_logp"] = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0]
-                                       for c in torch.arange(S, device=dev).split(8)])  # (S, T)
-        out = ppo.ppo_update(cfg, p, step, m, b, opt_, torch.arange(lo * G, hi * G), P * G,
-                             shuffle_seed=step, ctx=ctx)
+        # train.py's way: every rank takes the whole batch and trains an equal share of each
+        # minibatch; --batch own: each rank its own groups' members of each minibatch
+        shared = ctx.world > 1 and args.batch == "whole"
+        if shared:
+            groups = ppo.gather_groups(groups, list(range(lo, hi)), ctx)
+        adv = grpo.group_advantages(torch.stack([g["rewards"] for g in groups]))   # (B, G)
+        b = ppo.make_batch(groups, adv, dev)
+        b["old_logp"] = ppo.batch_logprobs(m, b, 1.0, 8, ctx=ctx, shared=shared,
+                                           entropy=False)[0]                         # (S, T)
+        rows = None if shared else torch.arange(lo * G, hi * G)
+        out = ppo.ppo_update(cfg, p, step, m, b, opt_, rows, P * G, shuffle_seed=step, ctx=ctx)
         sync(dev)
         t2 = time.perf_counter()
+        members = [len(mb) for _, mb in ppo.minibatch_plan(cfg, step, rows, P * G, dev, step, ctx)]
         ar = out.get("t_allreduce", 0.0)
         times.append(dict(step=t2 - t0, rollout=t1 - t0, train=t2 - t1 - ar, allreduce=ar))
     pure = pure_allreduce(lora.lora_parameters(m), ctx)
@@ -141,11 +150,13 @@ def worker(args) -> int:
     mean = {k: statistics.median(t[k] for t in timed) for k in timed[0]}  # medians over timed steps
     rollout_s, train_s, neg_ar = ctx.max([mean["rollout"], mean["train"], -mean["allreduce"]])
     peak = ctx.max([torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0])[0]
+    members = ctx.gather(members)                          # (ranks, minibatches) of the last step
     if ctx.main:
         row = dict(mode=args.mode, gpus=world, prompts=P, sequences=P * G, step_s=mean["step"],
                    rollout_s=rollout_s, train_s=train_s, allreduce_s=-neg_ar,
                    allreduce_alone_s=pure, tokens_s=P * G * args.new_tokens / mean["step"],
-                   steps_s=[t["step"] for t in timed], peak_GB=peak,
+                   steps_s=[t["step"] for t in timed], peak_GB=peak, batch=args.batch,
+                   members=members,
                    device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         fsutil.atomic_write_text(Path(args.out), json.dumps(row))
     ctx.close()
@@ -194,6 +205,10 @@ def main(argv=None):
     ap.add_argument("--base", default="nvfp4", choices=["nvfp4", "bf16"], help="base weights")
     ap.add_argument("--lora-rank", type=int, default=32,
                     help="LoRA rank on every linear (alpha = 2 x rank)")
+    ap.add_argument("--batch", default="whole", choices=["whole", "own"],
+                    help="whole: every rank takes the batch and trains an equal share of each "
+                         "minibatch (train.py's way); own: each rank trains its own groups' "
+                         "members of each minibatch (the earlier way, for comparison)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU processes (gloo) and the tiny model: "
                          "checks the plumbing where there is no GPU (small shapes)")
@@ -228,7 +243,7 @@ def main(argv=None):
                        str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out)]
                 cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                         if k in ("prompts", "strong_prompts", "group", "prompt_len", "new_tokens",
-                                 "steps", "size", "base", "lora_rank")]
+                                 "steps", "size", "base", "lora_rank", "batch")]
                 cmd += ["--smoke"] if args.smoke else []
                 env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
                 r = subprocess.run(cmd, env=env)

@@ -166,6 +166,28 @@ def test_two_ranks_train_what_one_process_trains(runs):
     assert runs["stdout"].count("config:") == 1
 
 
+def test_each_rank_trains_an_equal_share_of_every_minibatch():
+    """The benchmark's shape (2 ranks x 8 groups x 8 samples, 2 minibatches of 64): with each rank
+    training its own groups' members, step 1's random minibatches give the ranks 34 and 30, then
+    30 and 34 sequences (so every all-reduce waited for the larger share); with the whole batch on
+    every rank (rows None) each takes 32 of every minibatch, and together they take exactly the
+    one-process minibatch."""
+    import ppo
+    from trainer.config import Config
+    cfg = Config(steps=4, prompts_per_step=16, group_size=8, micro_batch=8, minibatches=2)
+    cpu, S = torch.device("cpu"), 128
+    one = ppo.minibatch_plan(cfg, 1, torch.arange(S), S, cpu, 1)
+    ranks = [dist.Dist(rank=r, world=2, device=cpu) for r in range(2)]
+    own = [ppo.minibatch_plan(cfg, 1, torch.arange(64 * r, 64 * (r + 1)), S, cpu, 1, c)
+           for r, c in enumerate(ranks)]
+    assert [[len(mb) for _, mb in plan] for plan in own] == [[34, 30], [30, 34]]
+    whole = [ppo.minibatch_plan(cfg, 1, None, S, cpu, 1, c) for c in ranks]
+    assert [[len(mb) for _, mb in plan] for plan in whole] == [[32, 32], [32, 32]]
+    for j, (index, mb) in enumerate(one):
+        assert [plan[j][0] for plan in whole] == [index, index]
+        assert sorted(torch.cat([plan[j][1] for plan in whole]).tolist()) == sorted(mb.tolist())
+
+
 def test_the_ranks_adapters_stay_bit_identical(runs):
     spy = runs["spy"]
     for step in (0, 1):
@@ -377,6 +399,7 @@ def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
     rows = json.loads(out.read_text())
     assert [(row["mode"], row["gpus"]) for row in rows] == [("weak", 1), ("weak", 2)]
     assert all(row["step_s"] > 0 and row["tokens_s"] > 0 for row in rows)
-    # only 2 ranks all-reduce
+    # only 2 ranks all-reduce; each trained an equal share of every minibatch
     assert rows[1]["allreduce_alone_s"] > 0 and rows[0]["allreduce_alone_s"] == 0
+    assert rows[1]["batch"] == "whole" and rows[1]["members"] == [[4, 4], [4, 4]]
     assert "efficiency" in r.stdout

@@ -72,6 +72,16 @@ class Dist:
     def max(self, values) -> list[float]:
         return self._reduce(values, td.ReduceOp.MAX)
 
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over the ranks, in place (through the backend's device: gloo reduces CPU
+        tensors)."""
+        if self.world == 1:
+            return t
+        c = t.to(self._comm_device())
+        td.all_reduce(c)
+        t.copy_(c)
+        return t
+
     def gather(self, obj) -> list:
         """[obj of rank 0, obj of rank 1, ...] on every rank (pickled: for small Python objects)."""
         if self.world == 1:
