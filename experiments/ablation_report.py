@@ -275,7 +275,8 @@ def markdown(res: dict) -> str:
     L += [f"| {c['claim']} | {c['lr_text']} | {c['a']} - {c['b']}: {MEASURES[c['measure']]} | "
           f"{c['n']} | {ci_text(c, 4)} | {_p(c)} | **{c['verdict']}** |" for c in res["claims"]]
     if not res["claims"]:
-        L.append("| (no claim has both its arms in --arms) |" + " |" * 6)
+        L.append("| (no claim has finished runs of both its arms yet, or both its arms in --arms) |"
+                 + " |" * 6)
     gain = res.get("gain") or {}
     gain_text = (f"R0 {gain['r0']:.3f}, R1 {gain['r1']:.3f} ({gain['arm']} at lr {gain['lr']:g})"
                  if gain else "-")
