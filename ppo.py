@@ -2,7 +2,7 @@
 log-probs of the sampled tokens, and epochs x minibatches clipped policy-gradient steps (AdamW) on
 the LoRA weights, under torchrun too.
 
-    python train.py --algo dapo        # train.rl_step calls make_batch, policy_logprobs, ppo_update
+    python train.py --algo dapo        # train.rl_step calls make_batch, batch_logprobs, ppo_update
 
 The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
 file decides which sequences go into which optimizer step, and with which learning rate (the
@@ -11,9 +11,9 @@ Under torchrun (util/dist.py) every rank holds the whole batch (gather_groups: t
 a few MB of token ids and log-probs), the shuffle and the minibatch split run over it as in one
 process, and each rank trains an equal share of every minibatch (rows rank, rank + world, ... of
 it). Each loss is divided by the minibatch's global token and sequence counts, so the summed
-gradient is the one-process gradient, and no rank waits for another in the all-reduce: with each
-rank training only its own groups, a random minibatch gave one rank 34 and the other 30 of its 64
-sequences (2 ranks x 64), and the all-reduce waited for the larger share every step.
+gradient is the one-process gradient, and the ranks' shares differ by one sequence at most: with
+each rank training only its own groups, a random minibatch gave one rank 34 and the other 30 of its
+64 sequences (2 ranks x 64), and every all-reduce waited for the larger share.
 
 Leaves out: value functions (GRPO needs none), gradient accumulation across steps.
 """
