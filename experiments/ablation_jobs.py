@@ -322,10 +322,18 @@ def mps_stop(envs: dict) -> None:
 KEEP = ("config.json", "metrics.jsonl", "post.json")
 
 
-def pack(exp: Path, path: Path) -> Path:
+def pack(exp: Path, path: Path, earlier: list[Path] = ()) -> Path:
     """A .tar.gz of the experiment's numbers: its config, selection, timing, sessions and failures,
     and of every run its config.json, metrics.jsonl, post.json, evaluation summaries and the last
-    evaluation's samples. No adapter, checkpoint or log: small enough to bring back and commit."""
+    evaluation's samples. No adapter, checkpoint or log: small enough to bring back and commit.
+    earlier: packs already brought back (and extracted into exp, which keeps their files' times);
+    a file one of them holds with the same size and time is left out, so each part's pack adds
+    only what is new and the parts are extracted in order."""
+    held = set()
+    for old in earlier:
+        with tarfile.open(old) as tar:
+            held |= {(m.name, m.size, int(m.mtime)) for m in tar.getmembers() if m.isfile()}
+
     def keep(rel: Path) -> bool:
         parts = rel.parts
         if len(parts) == 1:
@@ -345,7 +353,11 @@ def pack(exp: Path, path: Path) -> Path:
         steps = json.loads(config.read_text())["steps"]
         return parts[3] == f"step_{steps:06d}"
 
-    files = sorted(p for p in exp.rglob("*") if p.is_file() and keep(p.relative_to(exp)))
+    def new(p: Path) -> bool:
+        st = p.stat()
+        return (str(p.relative_to(exp)), st.st_size, int(st.st_mtime)) not in held
+    files = sorted(p for p in exp.rglob("*")
+                   if p.is_file() and keep(p.relative_to(exp)) and new(p))
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tarfile.open(tmp, "w:gz") as tar:
         for p in files:

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "the numbers are the same, only the time changes)")
     ap.add_argument("--part", default=None,
                     help="a name for this invocation in sessions.json (GPU time per part)")
+    ap.add_argument("--pack-after", nargs="+", default=[], metavar="TGZ",
+                    help="packs brought back before (extracted into --out): --pack leaves out "
+                         "the files they hold unchanged, so each part adds only what is new")
     ap.add_argument("--pack", default=None,
                     help="at the end, write the runs' numbers (no weights) to this .tar.gz")
     ap.add_argument("--threshold-greedy", type=float,
@@ -546,7 +549,7 @@ def main(argv=None) -> int:
     print(f"wrote {exp / 'results.md'}, {exp / 'results.json'} and {len(cfg['lrs'])} figure(s); "
           f"{res['finished']} of {len(res['runs'])} runs finished")
     if args.pack:
-        print(f"wrote {jobs.pack(exp, Path(args.pack))}")
+        print(f"wrote {jobs.pack(exp, Path(args.pack), [Path(x) for x in args.pack_after])}")
     for name, err in failed.items():
         print(f"error: run {name} failed: {err}", file=sys.stderr)
     return 1 if failed else 0

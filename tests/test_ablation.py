@@ -446,3 +446,30 @@ with open({str(calls)!r}, "a") as f:
     assert [(c["args"], c["stdin"]) for c in stopped] == [([], "quit\n")] * 2
     assert [c["env"]["CUDA_MPS_PIPE_DIRECTORY"] for c in stopped] == [
         envs[g]["CUDA_MPS_PIPE_DIRECTORY"] for g in ("0", "1")]
+
+
+def test_a_later_pack_holds_only_what_the_earlier_ones_do_not(tmp_path):
+    import tarfile
+    exp = tmp_path / "exp"
+    fake_run(exp / "runs" / "bf16-lr0.0001-s0", [0.1, 0.2], 0, 1e-4)
+    (exp / "sessions.json").write_text('[{"part": "part1"}]')
+    first = jobs.pack(exp, tmp_path / "part1.tgz")
+    # the next machine: the first pack extracted (file times kept), one more run, a longer record
+    there = tmp_path / "there"
+    with tarfile.open(first) as tar:
+        tar.extractall(there, filter="data")
+    fake_run(there / "runs" / "bf16-lr0.0001-s1", [0.3, 0.4], 1, 1e-4)
+    (there / "sessions.json").write_text('[{"part": "part1"}, {"part": "part2"}]')
+    second = jobs.pack(there, tmp_path / "part2.tgz", [first])
+    assert sorted(tarfile.open(second).getnames()) == [
+        "runs/bf16-lr0.0001-s1/config.json", "runs/bf16-lr0.0001-s1/eval/step_000002/samples.jsonl",
+        "runs/bf16-lr0.0001-s1/eval/step_000002/summary.json",
+        "runs/bf16-lr0.0001-s1/metrics.jsonl", "sessions.json"]
+    # both extracted in order give the whole experiment
+    whole = tmp_path / "whole"
+    for part in (first, second):
+        with tarfile.open(part) as tar:
+            tar.extractall(whole, filter="data")
+    assert sorted(p.name for p in (whole / "runs").iterdir()) == ["bf16-lr0.0001-s0",
+                                                                 "bf16-lr0.0001-s1"]
+    assert "part2" in (whole / "sessions.json").read_text()
