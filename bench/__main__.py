@@ -17,6 +17,8 @@ shapes).
     python -m bench profile [--train nvfp4] # where a decode step (or an RL step's train half)
                                             # spends its time
     python -m bench kernels --parts attn    # decode attention (layers/attention.py) vs torch SDPA
+    python -m bench kernels --parts lora    # what a rank-32 LoRA adds to each fused linear of a
+                                            # decode step, and three ways of its A product
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper
                                                       # GPUs take
     python -m bench vllm                    # rollout against vLLM: bf16, its own NVFP4 path, our
@@ -33,6 +35,7 @@ shared machinery from bench/common.py, never from here:
     kernel_speed.py  kernels: the GEMM, dgrad and RMSNorm tables
     sweep.py         kernels --sweep and the other --parts (ablate, splits, ws, stamps, sampler,
                      attn)
+    lora_speed.py    kernels --parts lora
     model_speed.py   model, rollout, train
     profiling.py     profile, one
     vllm_speed.py    vllm (flags of its own)
@@ -138,7 +141,9 @@ def main(argv=None):
                          "ws: the warp-specialized GEMM of kernels_ws against the Triton one, "
                          "stamps: where its programs' time goes, "
                          "sampler: race_sample chunked vs one program a row, "
-                         "attn: decode attention vs SDPA; see bench/sweep.py)")
+                         "attn: decode attention vs SDPA; see bench/sweep.py; "
+                         "lora: a rank-32 LoRA's cost in each fused linear at the --m values up "
+                         "to 64, bench/lora_speed.py)")
     ap.add_argument("--ws-m", default="32,48,64,96,128,160,192,224,256,384,512,768",
                     help="with --parts ws: token counts M")
     ap.add_argument("--portable", action="store_true",
@@ -186,6 +191,9 @@ def main(argv=None):
     for part in ("stamps", "ws", "ablate", "splits", "sampler", "attn"):
         if part in parts:
             sweep.ws(out, ws_m) if part == "ws" else getattr(sweep, part)(out)
+    if "lora" in parts:
+        from bench.lora_speed import lora
+        lora(out, [int(m) for m in args.m.split(",") if int(m) <= 64] or [1], args.size)
     if args.json:
         fsutil.atomic_write_text(Path(args.json), json.dumps(out, indent=1))
     return 0

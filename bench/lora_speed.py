@@ -1,0 +1,65 @@
+"""bench/lora_speed.py (python -m bench kernels --parts lora): what a rank-r LoRA costs each fused
+linear of a decode step, and which way of computing its A product costs least.
+
+    python -m bench kernels --parts lora                  # 7B groups, M = 1 / 16 / 64, rank 32
+    python -m bench kernels --parts lora --m 1 --size 32b
+
+For each fused group of the shape (q/k/v: rank x 3, o: rank, gate/up: rank x 2, down: rank) and M
+decode tokens, CUDA-graph times (bench/common.paired_us, every side replayed in turn) of:
+    gemm         kernels.nvfp4_mm without LoRA (the base)
+    gemm+B       the same GEMM adding xa @ B^T in its epilogue (xa given): what the B product
+                 costs there
+    xA^T         x @ A^T with A (R, K) as the adapter snapshot stores it (today's A product)
+    xAt          x @ At with At = A^T stored contiguous (K, R)
+    (Ax^T)^T     A @ x^T, transposed: the other operand order
+    read A       the bytes of A at the measured copy bandwidth: the floor of any A product
+Weights and adapters rotate over enough copies that every call reads them from HBM, as the
+layers of a real step do. The LoRA's share of the group: (gemm+B - gemm + the A product) / gemm.
+Prints one row per (group, M) and adds the rows to --json. Needs a CUDA GPU.
+"""
+import torch
+
+from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
+                          random_nvfp4)
+
+# rank multiples of each fused group: q/k/v and gate/up stack their members' A
+MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+
+
+def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
+    import kernels
+
+    bw = out.get("copy_GBps") or copy_bandwidth()
+    shapes = SHAPES_32B if size == "32b" else SHAPES_7B
+    rows = []
+    print(f"LoRA rank {rank} in the decode step's fused linears ({size}), microseconds a call")
+    print(f"{'group':>8} {'M':>3} {'gemm':>7} {'gemm+B':>7} {'xA^T':>7} {'xAt':>7} "
+          f"{'(Ax^T)^T':>9} {'read A':>7} {'LoRA share':>10}")
+    for name, (N, K) in shapes.items():
+        R = rank * MEMBERS[name]
+        _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
+        n_a = copies_for(R * K * 2)
+        A = [torch.randn(R, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n_a)]
+        At = [a.t().contiguous() for a in A]                                 # (K, R) each
+        B = [torch.randn(N, R, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(copies_for(N * R * 2))]
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)      # (M, K)
+            xa = torch.randn(M, R, device="cuda", dtype=torch.bfloat16)     # (M, R)
+            t_gemm, t_b, t_now, t_nn, t_rev = paired_us(
+                [lambda w=w: kernels.nvfp4_mm(x, w) for w in wq],
+                [lambda w=w, b=b: kernels.nvfp4_mm(x, w, lora=(xa, b)) for w, b in zip(wq, B)],
+                [lambda a=a: x @ a.t() for a in A],
+                [lambda a=a: x @ a for a in At],
+                [lambda a=a: (a @ x.t()).t() for a in A])
+            t_read = R * K * 2 / bw / 1e3                                   # bytes / (GB/s) in us
+            share = (t_b - t_gemm + min(t_now, t_nn, t_rev)) / t_gemm
+            row = dict(group=name, M=M, rank=rank, R=R, K=K, N=N, gemm_us=t_gemm,
+                       gemm_lora_b_us=t_b, a_xAT_us=t_now, a_xAt_us=t_nn, a_AxT_us=t_rev,
+                       read_a_us=t_read, lora_share_best_a=share,
+                       lora_share_today=(t_b - t_gemm + t_now) / t_gemm)
+            rows.append(row)
+            print(f"{name:>8} {M:>3} {t_gemm:7.2f} {t_b:7.2f} {t_now:7.2f} {t_nn:7.2f} "
+                  f"{t_rev:9.2f} {t_read:7.2f} {100 * share:9.1f}%")
+    out["lora"] = rows
+    return rows
