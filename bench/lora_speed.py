@@ -12,6 +12,7 @@ decode tokens, CUDA-graph times (bench/common.paired_us, every side replayed in 
     xA^T         x @ A^T with A (R, K) as the adapter snapshot stores it (today's A product)
     xAt          x @ At with At = A^T stored contiguous (K, R)
     (Ax^T)^T     A @ x^T, transposed: the other operand order
+    shrink       layers/shrink.lora_shrink: one Triton launch (split-K fixed up by its last program)
     read A       the bytes of A at the measured copy bandwidth: the floor of any A product
 Weights and adapters rotate over enough copies that every call reads them from HBM, as the
 layers of a real step do. The LoRA's share of the group: (gemm+B - gemm + the A product) / gemm.
@@ -28,13 +29,14 @@ MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
 
 def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
     import kernels
+    from layers.shrink import lora_shrink
 
     bw = out.get("copy_GBps") or copy_bandwidth()
     shapes = SHAPES_32B if size == "32b" else SHAPES_7B
     rows = []
     print(f"LoRA rank {rank} in the decode step's fused linears ({size}), microseconds a call")
     print(f"{'group':>8} {'M':>3} {'gemm':>7} {'gemm+B':>7} {'xA^T':>7} {'xAt':>7} "
-          f"{'(Ax^T)^T':>9} {'read A':>7} {'LoRA share':>10}")
+          f"{'(Ax^T)^T':>9} {'shrink':>7} {'read A':>7} {'LoRA share':>10}")
     for name, (N, K) in shapes.items():
         R = rank * MEMBERS[name]
         _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
@@ -46,20 +48,21 @@ def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)      # (M, K)
             xa = torch.randn(M, R, device="cuda", dtype=torch.bfloat16)     # (M, R)
-            t_gemm, t_b, t_now, t_nn, t_rev = paired_us(
+            t_gemm, t_b, t_now, t_nn, t_rev, t_shrink = paired_us(
                 [lambda w=w: kernels.nvfp4_mm(x, w) for w in wq],
                 [lambda w=w, b=b: kernels.nvfp4_mm(x, w, lora=(xa, b)) for w, b in zip(wq, B)],
                 [lambda a=a: x @ a.t() for a in A],
                 [lambda a=a: x @ a for a in At],
-                [lambda a=a: (a @ x.t()).t() for a in A])
+                [lambda a=a: (a @ x.t()).t() for a in A],
+                [lambda a=a: lora_shrink(x, a) for a in A])
             t_read = R * K * 2 / bw / 1e3                                   # bytes / (GB/s) in us
-            share = (t_b - t_gemm + min(t_now, t_nn, t_rev)) / t_gemm
+            share = (t_b - t_gemm + min(t_now, t_nn, t_rev, t_shrink)) / t_gemm
             row = dict(group=name, M=M, rank=rank, R=R, K=K, N=N, gemm_us=t_gemm,
                        gemm_lora_b_us=t_b, a_xAT_us=t_now, a_xAt_us=t_nn, a_AxT_us=t_rev,
-                       read_a_us=t_read, lora_share_best_a=share,
+                       a_shrink_us=t_shrink, read_a_us=t_read, lora_share_best_a=share,
                        lora_share_today=(t_b - t_gemm + t_now) / t_gemm)
             rows.append(row)
             print(f"{name:>8} {M:>3} {t_gemm:7.2f} {t_b:7.2f} {t_now:7.2f} {t_nn:7.2f} "
-                  f"{t_rev:9.2f} {t_read:7.2f} {100 * share:9.1f}%")
+                  f"{t_rev:9.2f} {t_shrink:7.2f} {t_read:7.2f} {100 * share:9.1f}%")
     out["lora"] = rows
     return rows

@@ -14,6 +14,7 @@ from torch import nn
 
 import kernels
 from gemm import layout
+from layers import shrink
 from layers.ops import silu_mul
 
 
@@ -134,7 +135,7 @@ def base_linear(mod, x, qw, gated: int = 0):
         y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
     elif (mod.snap is not None or gated) and epilogue_path(qw, x):
         x = x.contiguous()
-        snap = None if mod.snap is None else (x @ mod.snap[0].t(), mod.snap[1])
+        snap = None if mod.snap is None else (shrink.a_product(x, mod.snap[0]), mod.snap[1])
         return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)
     elif qw is not None:
         y = kernels.nvfp4_linear(x, qw, mod.bias)

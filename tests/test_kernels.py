@@ -731,3 +731,43 @@ def test_race_sample_matches_reference(device, V, temperature, chunks):
     z = logits.float() / temperature
     torch.testing.assert_close(lp, torch.log_softmax(z, -1).gather(-1, tok[:, None])[:, 0],
                                rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# layers/shrink.py: the decode step's LoRA A product in one launch
+
+@pytest.mark.parametrize("M, Kdim, R", [(1, 256, 8), (5, 1000, 24), (16, 640, 96), (33, 300, 128),
+                                        (70, 200, 16)])
+def test_lora_shrink_against_reference(monkeypatch, M, Kdim, R):
+    """The kernel (the reference would raise if the wrapper fell back to it) against fp32 math
+    rounded once to bf16: K split over 1-2 programs (ragged last one at K = 640), tokens over 1-2
+    blocks (M = 70), R up to 128. fp32 sums in another order, then one bf16 rounding (the CPU
+    interpreter truncates it): 2 ulps. Twice the same bits (the last program adds the partial sums
+    in program order), and the split-K counters back at 0."""
+    from layers import shrink
+    dev = DEVICES[0]
+    g = torch.Generator().manual_seed(M * 1000 + R)
+    x = torch.randn(M, Kdim, generator=g).to(dev, torch.bfloat16)
+    A = (0.05 * torch.randn(R, Kdim, generator=g)).to(dev, torch.bfloat16)
+    ref = shrink.lora_shrink_ref(x, A)
+
+    def no_fallback(*a):
+        raise AssertionError("lora_shrink fell back to the reference")
+    monkeypatch.setattr(shrink, "lora_shrink_ref", no_fallback)
+    got = shrink.lora_shrink(x, A)
+    assert got.shape == (M, R) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
+    assert torch.equal(shrink.lora_shrink(x, A), got)
+    assert int(layout._WS[x.device][1].sum()) == 0
+
+
+def test_a_product_is_cublas_unless_switched_on(monkeypatch):
+    from layers import shrink
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    A = torch.randn(8, 64).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(shrink, "lora_shrink", lambda x, A: calls.append(1) or x @ A.t())
+    assert torch.equal(shrink.a_product(x, A), x @ A.t()) and calls == []
+    monkeypatch.setattr(shrink, "ON", True)
+    shrink.a_product(x, A)
+    assert calls == [1]

@@ -1,0 +1,108 @@
+"""shrink.py: the LoRA A product of a decode step, xa = x @ A^T, as ONE Triton launch beside its
+PyTorch reference.
+
+    pytest tests/test_kernels.py -k shrink                 # against the reference
+    python -m bench kernels --parts lora                   # against cuBLAS's ways, on a GPU
+
+At decode sizes (M <= 64 tokens, R <= 128 adapter rows, K up to 27648) cuBLAS runs x @ A^T as a
+split-K GEMV and a separate reduction: two launches of about 5 us each where reading A takes under
+1 us (docs/BENCHMARKS.md). Here the K range is split over programs that park fp32 partial sums in a
+workspace; the last program to finish (a counter per token block, reset by that program) adds them
+up in program order, so the result does not depend on which program ends last, and writes xa in
+x's dtype. The same split-K fix-up as kernels.py's GEMM, without the dequantization.
+layers/linear.base_linear takes it for the generation snapshot's A product (a_product) when
+NANOQERL_LORA_SHRINK=1; off by default until the decode step is measured with it (cuBLAS's x @ A^T
+otherwise, as before).
+"""
+import os
+
+import torch
+
+from gemm.layout import workspace
+from kernels import _use_triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# K columns a program step reads, and the most K steps one program takes
+BK = 128
+STEPS_PER_PROGRAM = 4
+# the generation snapshot's A product through lora_shrink (read at every call)
+ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
+
+
+def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ A (R, K)^T -> (M, R) in x's dtype, accumulated in fp32."""
+    return (x.float() @ A.float().t()).to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, y_ptr, ws_ptr, cnt_ptr, M, K, R, stride_xm,
+                       STEPS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                       BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+        m = pid_m * BM + tl.arange(0, BM)                                  # tokens
+        r = tl.arange(0, BR)                                               # adapter rows
+        kk = tl.arange(0, BK)
+        acc = tl.zeros((BR, BM), dtype=tl.float32)
+        for s in range(0, STEPS):
+            k = (pid_k * STEPS + s) * BK + kk                              # (BK,) columns
+            a = tl.load(a_ptr + r[:, None] * K + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)   # (BR, BK)
+            xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                         mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)  # (BM, BK)
+            if ON_CPU:  # the interpreter multiplies bf16 operands wrongly; fp32 holds them
+                acc = tl.dot(a.to(tl.float32), tl.trans(xt).to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, tl.trans(xt), acc)                         # (BR, BM) fp32
+        out_mask = (r[:, None] < R) & (m[None, :] < M)
+        y = y_ptr + m[None, :] * R + r[:, None]                            # (BR, BM) of (M, R)
+        if SPLIT > 1:
+            mp = tl.num_programs(0) * BM                                   # padded token count
+            park = ws_ptr + (pid_k * mp + m[None, :]) * BR + r[:, None]
+            tl.store(park, acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                # the last one adds every program's partial sum, in program order
+                acc = tl.zeros((BR, BM), dtype=tl.float32)
+                for p in range(0, SPLIT):
+                    acc += tl.load(ws_ptr + (p * mp + m[None, :]) * BR + r[:, None],
+                                   cache_modifier=".cg")
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_m, 0, sem="relaxed")      # ready for the next launch
+        else:
+            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _block(n: int) -> int:
+    """The power of two >= n, at least 16 (tl.dot's smallest side)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ A (R, K)^T -> (M, R) in x's dtype: one launch (Triton) for bf16 / fp16 x and
+    R <= 128, else, or where Triton does not run, the reference."""
+    M, K = x.shape
+    R = A.shape[0]
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if not (_use_triton(x) and half and R <= 128 and A.shape[1] == K and x.stride(1) == 1):
+        return lora_shrink_ref(x, A)
+    A = A.to(x.dtype).contiguous()
+    BM, BR = min(_block(M), 64), _block(R)
+    tiles = triton.cdiv(K, BK)
+    split = triton.cdiv(tiles, STEPS_PER_PROGRAM)
+    steps = triton.cdiv(tiles, split)
+    grid = (triton.cdiv(M, BM), split)
+    ws, cnt = workspace(x.device, split * grid[0] * BM * BR if split > 1 else 0, grid[0])
+    y = torch.empty(M, R, device=x.device, dtype=x.dtype)
+    _shrink_kernel[grid](x, A, y, ws, cnt, M, K, R, x.stride(0), STEPS=steps, SPLIT=split, BM=BM,
+                         BR=BR, BK=BK, ON_CPU=not x.is_cuda)
+    return y
+
+
+def a_product(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """The generation snapshot's A product, x (M, K) @ A (R, K)^T: lora_shrink where ON, else
+    cuBLAS."""
+    return lora_shrink(x, A) if ON else x @ A.t()
