@@ -7,15 +7,17 @@ One run = one worker process (`qerl_ablation.py --worker JSON`): `train.main` in
 OUT/runs/<arm>-lr<lr>-s<seed>, then post.json: the entropy probe (the policy's mean token entropy
 before any update over its own --entropy-samples completions of each held-out prompt, at a fixed
 sampling seed; AQN arms also at sigma_start) and pass@k from --pass-k-n samples a prompt before any
-update and after the last step (eval.evaluate, the unbiased estimator); a run that only chooses a
-learning rate (post None) skips them: the rule reads its training curve alone. A run that was
-stopped resumes from its last checkpoint; a trained run brought back by --pack (numbers, no
-weights) whose evaluations are still missing trains again. The scheduler keeps a fixed list of
+update and after the last step (eval.evaluate, the unbiased estimator; the numbers before any
+update are the same for every run of a base and seed, so one run computes them: step0/); a run
+that only chooses a learning rate (post None) skips them: the rule reads its training curve alone.
+A run that was stopped resumes from its last checkpoint; a trained run brought back by --pack
+(numbers, no weights) whose evaluations are still missing trains again. The scheduler keeps a fixed list of
 slots (a GPU id, or None for the CPU) busy, one worker a slot, starts no run after --launch-until
 nor one that would end after --finish-by, names each failed run with its error while the others go
 on, and adds each attempt's wall time x its GPU share to timing/.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -103,9 +105,35 @@ def probe_entropy(cfg, model, engine, prompts, stops, n: int, sigma: float) -> f
     return total / max(count, 1.0)
 
 
+@contextlib.contextmanager
+def step0_cache(run: Path, cfg, settings: dict):
+    """What every run of one base and seed shares before its first update: the entropy probe
+    without noise and pass@k at step 0 (LoRA's B starts at 0, so the policy is the base's, whatever
+    the arm or learning rate). Yields (the cached dict or None, a function that stores it); the
+    runs of a seed end together, so one computes it under a file lock while the others wait for
+    it instead of computing it again."""
+    import fcntl
+    import hashlib
+
+    key = dict(settings=settings, base=cfg.base, seed=cfg.seed, model=cfg.model,
+               eval_task=cfg.eval_task, eval_limit=cfg.eval_limit, fmt=cfg.fmt, top_p=cfg.top_p,
+               max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = run.parent.parent / "step0"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{cfg.base}-s{cfg.seed}-{digest}.json"
+    with open(folder / f"{path.stem}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)                       # released when the file closes
+        cached = load_json(path, None)
+
+        def store(value: dict):
+            fsutil.atomic_write_text(path, json.dumps(dict(key=key, **value), indent=1))
+        yield cached, store
+
+
 def post_run(run: Path, settings: dict) -> dict:
     """The entropy probe before any update, and pass@k before any update and after the last step
-    of a trained run."""
+    of a trained run; the step-0 numbers once per base and seed (step0_cache)."""
     import torch
 
     import eval as evaluation
@@ -127,24 +155,30 @@ def post_run(run: Path, settings: dict) -> dict:
     engine = rollout.Engine(model, max_len=max(map(len, prompts)) + cfg.max_new_tokens,
                             max_batch=cfg.prompts_per_step * cfg.group_size)
     n = settings["entropy_samples"]
-    out = dict(settings=settings, probe_prompts=len(prompts),
-               noisy_sigma=cfg.sigma_start if cfg.aqn else None,
-               entropy_probe=probe_entropy(cfg, model, engine, prompts, stops, n, 0.0),
-               entropy_probe_noisy=None, pass_at_k={})
-    if cfg.aqn:
-        out["entropy_probe_noisy"] = probe_entropy(cfg, model, engine, prompts, stops, n,
-                                                   cfg.sigma_start)
-    # before any update and after the last one (the checkpoint of the final step)
-    last = run / "checkpoints" / f"step_{cfg.steps:06d}" / "adapter"
-    for step, adapter in [(0, None), (cfg.steps, last)]:
-        if adapter is not None:
-            lora.load_adapter(model, adapter)
+
+    def pass_at_k(step: int) -> dict:
         s = evaluation.evaluate(engine, tok, eval_rows, n=settings["pass_k_n"],
                                 temperature=settings["pass_temperature"], top_p=cfg.top_p,
                                 max_new_tokens=cfg.max_new_tokens, fmt=cfg.fmt, seed=cfg.seed,
                                 stop_ids=stops, progress=False,
                                 out_dir=str(run / "passk" / f"step_{step:06d}"))
-        out["pass_at_k"][str(step)] = {k: v for k, v in s.items() if k.startswith("pass@")}
+        return {k: v for k, v in s.items() if k.startswith("pass@")}
+
+    with step0_cache(run, cfg, settings) as (step0, store):
+        if step0 is None:  # before any update
+            step0 = dict(entropy_probe=probe_entropy(cfg, model, engine, prompts, stops, n, 0.0),
+                         pass_at_k=pass_at_k(0))
+            store(step0)
+    out = dict(settings=settings, probe_prompts=len(prompts),
+               noisy_sigma=cfg.sigma_start if cfg.aqn else None,
+               entropy_probe=step0["entropy_probe"], entropy_probe_noisy=None,
+               pass_at_k={"0": step0["pass_at_k"]})
+    if cfg.aqn:
+        out["entropy_probe_noisy"] = probe_entropy(cfg, model, engine, prompts, stops, n,
+                                                   cfg.sigma_start)
+    # after the last update (the checkpoint of the final step)
+    lora.load_adapter(model, run / "checkpoints" / f"step_{cfg.steps:06d}" / "adapter")
+    out["pass_at_k"][str(cfg.steps)] = pass_at_k(cfg.steps)
     out["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return out | dict(seconds=time.time() - t0)
 
@@ -338,8 +372,8 @@ def pack(exp: Path, path: Path, earlier: list[Path] = ()) -> Path:
         parts = rel.parts
         if len(parts) == 1:
             return rel.suffix in (".json", ".md", ".png")
-        if parts[0] in ("timing",):
-            return True
+        if parts[0] in ("timing", "step0"):
+            return rel.suffix == ".json"
         if parts[0] != "runs" or len(parts) < 3:
             return False
         if len(parts) == 3:

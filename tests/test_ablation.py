@@ -473,3 +473,29 @@ def test_a_later_pack_holds_only_what_the_earlier_ones_do_not(tmp_path):
     assert sorted(p.name for p in (whole / "runs").iterdir()) == ["bf16-lr0.0001-s0",
                                                                  "bf16-lr0.0001-s1"]
     assert "part2" in (whole / "sessions.json").read_text()
+
+
+def test_runs_of_one_base_and_seed_share_their_step0_numbers(smoke, tmp_path, monkeypatch):
+    """Another bf16 run of seed 0 (a copy of the smoke's, post.json removed): its post-run
+    evaluation reads the probe and pass@k before any update from step0/, which the smoke's own run
+    wrote, and evaluates only after its last step."""
+    exp = Path(shutil.copytree(smoke, tmp_path / "exp"))
+    assert len(list((exp / "step0").glob("bf16-s0-*.json"))) == 1
+    src, run = exp / "runs" / NAMES[0], exp / "runs" / "bf16-lr0.001-s0"
+    shutil.copytree(src, run)
+    (run / "post.json").unlink()
+    settings = json.loads((src / "post.json").read_text())["settings"]
+    import eval as evaluation
+    real, steps = evaluation.evaluate, []
+
+    def counted(*a, **k):
+        steps.append(Path(k["out_dir"]).name)
+        return real(*a, **k)
+    monkeypatch.setattr(evaluation, "evaluate", counted)
+    monkeypatch.setattr(jobs, "probe_entropy", lambda *a: pytest.fail("probe ran again"))
+    got = jobs.post_run(run, settings)
+    ref = json.loads((src / "post.json").read_text())
+    assert steps == ["step_000002"]
+    assert got["pass_at_k"]["0"] == ref["pass_at_k"]["0"]
+    assert got["entropy_probe"] == ref["entropy_probe"]
+    assert got["pass_at_k"]["2"] == ref["pass_at_k"]["2"]    # same adapter, same draws
