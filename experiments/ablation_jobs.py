@@ -11,10 +11,10 @@ update and after the last step (eval.evaluate, the unbiased estimator; the numbe
 update are the same for every run of a base and seed, so one run computes them: step0/); a run
 that only chooses a learning rate (post None) skips them: the rule reads its training curve alone.
 A run that was stopped resumes from its last checkpoint; a trained run brought back by --pack
-(numbers, no weights) whose evaluations are still missing trains again. The scheduler keeps a fixed list of
-slots (a GPU id, or None for the CPU) busy, one worker a slot, starts no run after --launch-until
-nor one that would end after --finish-by, names each failed run with its error while the others go
-on, and adds each attempt's wall time x its GPU share to timing/.
+(numbers, no weights) whose evaluations are still missing trains again. The scheduler keeps a
+fixed list of slots (a GPU id, or None for the CPU) busy, one worker a slot, starts no run after
+--launch-until nor one that would end after --finish-by, names each failed run with its error
+while the others go on, and adds each attempt's wall time x its GPU share to timing/.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
 import contextlib

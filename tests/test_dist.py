@@ -397,6 +397,7 @@ def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
                        env=dict(os.environ, HF_HUB_OFFLINE="1", **CPU_ENV))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())
+    assert not any("error" in row for row in rows), (rows, r.stdout[-3000:], r.stderr[-3000:])
     assert [(row["mode"], row["gpus"]) for row in rows] == [("weak", 1), ("weak", 2)]
     assert all(row["step_s"] > 0 and row["tokens_s"] > 0 for row in rows)
     # only 2 ranks all-reduce; each trained an equal share of every minibatch
