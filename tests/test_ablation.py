@@ -499,3 +499,19 @@ def test_runs_of_one_base_and_seed_share_their_step0_numbers(smoke, tmp_path, mo
     assert got["pass_at_k"]["0"] == ref["pass_at_k"]["0"]
     assert got["entropy_probe"] == ref["entropy_probe"]
     assert got["pass_at_k"]["2"] == ref["pass_at_k"]["2"]    # same adapter, same draws
+
+
+def test_share_bench_runs_the_designs_flags_shortened(tmp_path):
+    """experiments/share_bench.py (a GPU benchmark) hands train.py the Countdown design's flags with
+    --steps, --eval-limit, --eval-every and --save-every replaced; train.py's parser and checks take
+    them."""
+    import share_bench
+    from trainer.config import apply_model_defaults, check_config, parse_args
+    argv = share_bench.train_argv(30, 4, tmp_path / "run")
+    cfg, _, _ = parse_args(argv)
+    apply_model_defaults(cfg)
+    check_config(cfg)
+    got = (cfg.steps, cfg.eval_limit, cfg.eval_every, cfg.save_every, cfg.seed)
+    assert got == (30, 64, 0, 30, 4)
+    assert (cfg.model, cfg.base, cfg.aqn, cfg.lr) == ("models/countdown5", "bf16", False, 3e-4)
+    assert share_bench.main(["--procs", "0"]) == 2
