@@ -177,7 +177,7 @@ def post_run(run: Path, settings: dict) -> dict:
         out["entropy_probe_noisy"] = probe_entropy(cfg, model, engine, prompts, stops, n,
                                                    cfg.sigma_start)
     # after the last update (the checkpoint of the final step)
-    lora.load_adapter(model, run / "checkpoints" / f"step_{cfg.steps:06d}" / "adapter")
+    lora.load_adapter(model, final_adapter(run))
     out["pass_at_k"][str(cfg.steps)] = pass_at_k(cfg.steps)
     out["device"] = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return out | dict(seconds=time.time() - t0)
@@ -279,10 +279,7 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
                    CUDA_VISIBLE_DEVICES=slots[slot] or "")
         env.setdefault("OMP_NUM_THREADS", str(threads))
         if mps:
-            # an MPS client reaches its GPU through the daemon, which sees that GPU alone; the
-            # client must not pick devices itself
-            env.update(mps[slots[slot]])
-            env.pop("CUDA_VISIBLE_DEVICES")
+            env = mps_client(env, mps[slots[slot]])
         cmd = [sys.executable, str(script), "--out", str(exp), "--worker", json.dumps(job)]
         # its own session, so that Ctrl-C reaches it only through us
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -318,6 +315,17 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
     return failed, len(jobs) - bar.n
 
 
+MPS_CONTROL = "nvidia-cuda-mps-control"   # the NVIDIA driver's utility that starts MPS daemons
+
+
+def mps_client(env: dict, client: dict) -> dict:
+    """env for a process that reaches its GPU through that GPU's MPS daemon (client: mps_start's
+    entry): the daemon sees that GPU alone, so the process must not pick devices itself."""
+    env = dict(env, **client)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
 def mps_start(gpus: list[str]) -> dict:
     """One CUDA MPS control daemon per GPU, run as this user (the GPU's own settings unchanged):
     the runs sharing a GPU then run their kernels side by side instead of taking turns, which a
@@ -325,10 +333,10 @@ def mps_start(gpus: list[str]) -> dict:
     pipe folders are short temporary ones (a socket path has a length limit)."""
     import tempfile
 
-    exe = shutil.which("nvidia-cuda-mps-control")
+    exe = shutil.which(MPS_CONTROL)
     if exe is None:
-        raise FileNotFoundError("--mps needs nvidia-cuda-mps-control (the NVIDIA driver's "
-                                "utilities) on PATH: install them, or leave out --mps")
+        raise FileNotFoundError(f"--mps needs {MPS_CONTROL} (the NVIDIA driver's utilities) on "
+                                "PATH: install them, or leave out --mps")
     envs = {}
     for g in gpus:
         d = Path(tempfile.mkdtemp(prefix=f"mps{g}-"))
@@ -344,7 +352,7 @@ def mps_start(gpus: list[str]) -> dict:
 
 def mps_stop(envs: dict) -> None:
     """Ask each daemon of mps_start to quit (it ends its server once the clients are gone)."""
-    exe = shutil.which("nvidia-cuda-mps-control")
+    exe = shutil.which(MPS_CONTROL)
     for client in envs.values():
         subprocess.run([exe], input="quit\n", text=True, env=dict(os.environ, **client),
                        timeout=60)

@@ -434,9 +434,9 @@ def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
     if args.mps and not args.report_only:
         if gpus == 0:
             raise Stop("--mps shares GPUs between runs: it needs --gpus >= 1 (none here)")
-        if shutil.which("nvidia-cuda-mps-control") is None:
-            raise Stop("--mps needs nvidia-cuda-mps-control (the NVIDIA driver's utilities) on "
-                       "PATH: install them, or leave out --mps")
+        if shutil.which(jobs.MPS_CONTROL) is None:
+            raise Stop(f"--mps needs {jobs.MPS_CONTROL} (the NVIDIA driver's utilities) on PATH: "
+                       "install them, or leave out --mps")
     cfg = dict(out=str(exp), design=args.design or (saved or {}).get("design"), arms=arms,
                seeds=seeds, select_seeds=select_seeds, every_lr=every_lr, lrs=lrs, gpus=gpus,
                procs_per_gpu=args.procs_per_gpu, **v, restart_partial=args.restart_partial,

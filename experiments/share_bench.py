@@ -71,8 +71,7 @@ def one_mode(mode: str, args, folder: Path) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES=args.gpu,
                OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.procs)))
     if mps:
-        env.update(mps[args.gpu])
-        env.pop("CUDA_VISIBLE_DEVICES")
+        env = jobs.mps_client(env, mps[args.gpu])
     t0 = time.time()
     try:
         procs = []
@@ -113,8 +112,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: share_bench.py measures a GPU and torch sees none here", file=sys.stderr)
         return 2
-    if "mps" in modes and shutil.which("nvidia-cuda-mps-control") is None:
-        print("error: the mps mode needs nvidia-cuda-mps-control on PATH: pass --modes plain",
+    if "mps" in modes and shutil.which(jobs.MPS_CONTROL) is None:
+        print(f"error: the mps mode needs {jobs.MPS_CONTROL} on PATH: pass --modes plain",
               file=sys.stderr)
         return 2
     out = Path(args.out)
