@@ -56,7 +56,7 @@ def batch_logprobs(model, b, temperature, micro_batch, noise=None, ctx=dist.SING
     ent_sum = n_tok = 0.0
     if entropy:
         ent = torch.cat([o[1] for o in outs]) if outs else b["mask"][:0]    # (s, T)
-        mask = b["mask"][idx]                                                # (s, T)
+        mask = b["mask"][idx] if shared else b["mask"]                       # (s, T)
         ent_sum, n_tok = (ent * mask).sum().item(), mask.sum().item()
     if shared:
         full = torch.zeros_like(b["mask"], dtype=lp.dtype)                   # (S, T)
