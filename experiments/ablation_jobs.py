@@ -320,10 +320,10 @@ MPS_CONTROL = "nvidia-cuda-mps-control"   # the NVIDIA driver's utility that sta
 
 def mps_client(env: dict, client: dict) -> dict:
     """env for a process that reaches its GPU through that GPU's MPS daemon (client: mps_start's
-    entry): the daemon sees that GPU alone, so the process must not pick devices itself."""
-    env = dict(env, **client)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
+    entry). The daemon shows its clients that GPU alone, as device 0, so the client names device 0:
+    left unset, torch counts the devices through NVML, which sees every GPU of the machine, and
+    its first CUDA call then asks for a device the MPS server does not have."""
+    return dict(env, **client, CUDA_VISIBLE_DEVICES="0")
 
 
 def mps_start(gpus: list[str]) -> dict:

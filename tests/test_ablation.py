@@ -437,8 +437,9 @@ with open({str(calls)!r}, "a") as f:
     failed, left = jobs.run_jobs(todo, ["0", "1"], exp, 0.5, worker, mps=envs)
     assert failed == {} and left == 0
     got = [json.loads(Path(j["log"]).read_text()) for j in todo]
-    # each run reaches its slot's GPU through that GPU's daemon and picks no device itself
-    assert got == [dict(CUDA_VISIBLE_DEVICES=None,
+    # each run reaches its slot's GPU through that GPU's daemon, which shows it as device 0
+    # (unset, torch's NVML count sees every GPU of the machine and asks the server for a second)
+    assert got == [dict(CUDA_VISIBLE_DEVICES="0",
                         CUDA_MPS_PIPE_DIRECTORY=envs[g]["CUDA_MPS_PIPE_DIRECTORY"])
                    for g in ("0", "1")]
     jobs.mps_stop(envs)
