@@ -40,15 +40,22 @@ def gather_groups(groups: list[dict], slots: list[int], ctx) -> list[dict]:
 
 
 def batch_logprobs(model, b, temperature, micro_batch, noise=None, ctx=dist.SINGLE,
-                   shared=False, entropy=True) -> tuple[torch.Tensor, float, float]:
+                   shared=False, entropy=True, skip=None) -> tuple[torch.Tensor, float, float]:
     """The policy's log-probs of every sequence of b before any update (no gradient), (S, T), and
     (entropy=True) the entropy of those tokens as (sum, token count) over this rank's rows, else
     (0, 0). shared: every rank holds the whole batch (gather_groups): each computes an equal share
-    of the rows (rank, rank + world, ...) and one all-reduce fills in the others'."""
+    of the rows (rank, rank + world, ...) and one all-reduce fills in the others'. skip: global
+    rows left out (zeros; --old-logp reuse, whose first minibatch gets pi_old from its own
+    training forward), or None."""
     S = b["ids"].shape[0]
     idx = torch.arange(S, device=b["ids"].device)                            # (S,)
+    if skip is not None:
+        keep = torch.ones(S, dtype=torch.bool, device=idx.device)
+        keep[skip.to(idx.device)] = False
+        idx = idx[keep]                                                      # (S - skipped,)
     if shared:
         idx = idx[ctx.rank::ctx.world]                                       # (~S / world,)
+    subset = shared or skip is not None                  # idx is not simply every row, in order
     with torch.no_grad():
         outs = [policy_logprobs(model, b, c, temperature, entropy=entropy, noise=noise)
                 for c in idx.split(micro_batch)]
@@ -56,12 +63,13 @@ def batch_logprobs(model, b, temperature, micro_batch, noise=None, ctx=dist.SING
     ent_sum = n_tok = 0.0
     if entropy:
         ent = torch.cat([o[1] for o in outs]) if outs else b["mask"][:0]    # (s, T)
-        mask = b["mask"][idx] if shared else b["mask"]                       # (s, T)
+        mask = b["mask"][idx] if subset else b["mask"]                       # (s, T)
         ent_sum, n_tok = (ent * mask).sum().item(), mask.sum().item()
-    if shared:
+    if subset:
         full = torch.zeros_like(b["mask"], dtype=lp.dtype)                   # (S, T)
         full[idx] = lp
-        lp = ctx.sum_tensor(full)                          # each row from the one rank that has it
+        # each row from the one rank that has it
+        lp = ctx.sum_tensor(full) if shared else full
     return lp, ent_sum, n_tok
 
 
@@ -117,6 +125,17 @@ def policy_logprobs(model, b, idx, temperature, entropy=False, noise=None):
 # --------------------------------------------------------------------------------------------------
 # The update
 
+def shuffled_minibatches(cfg, S, shuffle_seed: int) -> list[torch.Tensor]:
+    """The global sequence indices of the step's optimizer steps, in order: each epoch a new
+    shuffle of the S sequences (from shuffle_seed), cut into --minibatches parts."""
+    g = torch.Generator().manual_seed(shuffle_seed)
+    out = []
+    for _ in range(cfg.epochs):
+        order = torch.randperm(S, generator=g)                                   # (S,)
+        out += list(order.chunk(cfg.minibatches))
+    return out
+
+
 def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int, ctx=dist.SINGLE):
     """The step's optimizer steps: [(global optimizer step index, this rank's rows of it)].
 
@@ -129,14 +148,10 @@ def minibatch_plan(cfg, step, rows, S, dev, shuffle_seed: int, ctx=dist.SINGLE):
     where = torch.full((S,), -1, dtype=torch.long)  # global index -> this rank's row (-1: not ours)
     where[rows] = torch.arange(len(rows))
     per_step = cfg.epochs * cfg.minibatches
-    g = torch.Generator().manual_seed(shuffle_seed)
     plan = []
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(S, generator=g)                                   # (S,)
-        for j, mb in enumerate(order.chunk(cfg.minibatches)):
-            ours = where[mb][share]
-            index = step * per_step + epoch * cfg.minibatches + j
-            plan.append((index, ours[ours >= 0].to(dev)))
+    for j, mb in enumerate(shuffled_minibatches(cfg, S, shuffle_seed)):
+        ours = where[mb][share]
+        plan.append((step * per_step + j, ours[ours >= 0].to(dev)))
     return plan
 
 
@@ -150,7 +165,9 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
     (gather_groups). Each rank runs its members of every minibatch under the minibatch's GLOBAL
     token and sequence counts, and the ranks' gradients are summed before each optimizer step, so
     every rank makes the one-process update. noise: AQN's in the training forward (--aqn-where
-    both), else None."""
+    both), else None. With --old-logp reuse the first minibatch's pi_old is its own training
+    forward, detached (batch_logprobs skipped its rows: the policy has not moved yet, so that
+    forward IS pi_old); its entropy sums come back as ent_sum and ent_tokens."""
     dev = model.model.norm.weight.device
     plan = minibatch_plan(cfg, step, rows, S, dev, shuffle_seed, ctx)
     total = cfg.steps * cfg.epochs * cfg.minibatches              # optimizer steps in the run
@@ -166,8 +183,10 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
 
     params = lora.lora_parameters(model)
     stats, gnorms, t_allreduce = [], [], 0.0
+    reused = [0.0, 0.0]                                # entropy (sum, tokens) of the reused rows
     model.train()
     for k, (i, mb) in enumerate(plan):
+        reuse = k == 0 and cfg.old_logp == "reuse"     # before the first update: on-policy
         set_lr(opt_, cfg.lr * lr_factor(i, total, cfg.warmup_steps, cfg.lr_schedule))
         n_tok, n_seq = counts[2 * k], counts[2 * k + 1]
         if n_tok == 0:                                 # all masked on every rank: adds nothing
@@ -178,7 +197,12 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
         for c in (mb.split(cfg.micro_batch) if len(mb) else ()):
             if b["mask"][c].sum() == 0:                # all masked: adds nothing
                 continue
-            lp, _ = policy_logprobs(model, b, c, cfg.temperature, noise=noise)    # (s, T)
+            lp, ent = policy_logprobs(model, b, c, cfg.temperature, entropy=reuse,
+                                      noise=noise)                              # (s, T)
+            if reuse:
+                b["old_logp"][c] = lp.detach()         # the ratio is exactly 1 here
+                reused[0] += (ent * b["mask"][c]).sum().item()
+                reused[1] += b["mask"][c].sum().item()
             loss, st = grpo.policy_loss(
                 lp, b["old_logp"][c], b["adv"][c], b["mask"][c],
                 eps_low=p["eps_low"], eps_high=p["eps_high"], agg=p["agg"],
@@ -216,6 +240,8 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
     out["lr"] = opt_.param_groups[0]["lr"]
     if ctx.world > 1:
         out["t_allreduce"] = t_allreduce
+    if cfg.old_logp == "reuse":
+        out.update(ent_sum=reused[0], ent_tokens=reused[1])
     return out
 
 

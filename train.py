@@ -219,22 +219,28 @@ def rl_step(cfg, p, step, model, engine, tok, rows, stops, opt_, ctx=dist.SINGLE
         b = ppo.make_batch(batch, adv, dev)
         if p["mask_truncated"]:
             b["mask"] = grpo.mask_truncated(b["mask"], b["truncated"])
+        # --old-logp reuse: the first minibatch's rows get pi_old from their training forward
+        skip = (ppo.shuffled_minibatches(cfg, len(b["adv"]), seeded(cfg, "shuffle", step))[0]
+                if cfg.old_logp == "reuse" else None)
         b["old_logp"], ent_sum, n_mask = ppo.batch_logprobs(                    # (S, T)
-            model, b, cfg.temperature, cfg.micro_batch, z_train, ctx, shared)
+            model, b, cfg.temperature, cfg.micro_batch, z_train, ctx, shared, skip=skip)
         if p["beta"] > 0:
             with lora.disabled(model):                                          # the base policy
                 b["ref_logp"] = ppo.batch_logprobs(                             # (S, T)
                     model, b, cfg.temperature, cfg.micro_batch, z_train, ctx, shared,
                     entropy=False)[0]
-    ent_sum, n_mask = ctx.sum([ent_sum, n_mask])
-    m["entropy"] = ent_sum / max(n_mask, 1.0)          # mean over all ranks' tokens
 
     # 4. the PPO updates; each sequence's global index is its group's slot x G + its sample
     G = cfg.group_size
     rows_ = None if shared else torch.tensor([s * G + k for s in r["slots"] for k in range(G)],
                                              dtype=torch.long)
-    m.update(ppo.ppo_update(cfg, p, step, model, b, opt_, rows_, r["batch_groups"] * G,
-                            seeded(cfg, "shuffle", step), z_train, ctx))
+    upd = ppo.ppo_update(cfg, p, step, model, b, opt_, rows_, r["batch_groups"] * G,
+                         seeded(cfg, "shuffle", step), z_train, ctx)
+    # the entropy of the rows that reused their training forward (--old-logp reuse)
+    ent_sum, n_mask = ent_sum + upd.pop("ent_sum", 0.0), n_mask + upd.pop("ent_tokens", 0.0)
+    ent_sum, n_mask = ctx.sum([ent_sum, n_mask])
+    m["entropy"] = ent_sum / max(n_mask, 1.0)          # mean over all ranks' tokens
+    m.update(upd)
     times["t_train"] = time.time() - t1
     if "t_allreduce" in m:
         times["t_allreduce"] = m.pop("t_allreduce")

@@ -106,6 +106,9 @@ def main(argv=None):
     ap.add_argument("--no-grad-checkpoint", action="store_true",
                     help="with train: keep every layer's activations "
                          "instead of recomputing them in backward")
+    ap.add_argument("--old-logp", default="pass", choices=["pass", "reuse", "both"],
+                    help="with train: train.py's --old-logp for the train half; both: the pass, "
+                         "then reuse, on the same rollout batch (train_s and train_s_reuse)")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="with profile / rollout: LoRA of this rank on every linear "
                          "(random nonzero B)")
@@ -174,8 +177,9 @@ def main(argv=None):
                           args.new_tokens, hf=not args.no_hf, lora_rank=args.lora_rank,
                           bases=args.bases.split(","))
         else:
+            modes = ("pass", "reuse") if args.old_logp == "both" else (args.old_logp,)
             bench_rl_step(out, args.size, new_tokens=args.new_tokens,
-                          recompute=not args.no_grad_checkpoint)
+                          recompute=not args.no_grad_checkpoint, old_logps=modes)
     parts = args.parts.split(",") if args.what == "kernels" else []
     if parts:
         from bench import sweep

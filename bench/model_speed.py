@@ -131,13 +131,15 @@ def bench_hf_generate(size, batches, new_tokens, prompt):
 
 
 def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8,
-                  prompt_len: int = 256, new_tokens: int = 512, recompute: bool = True):
+                  prompt_len: int = 256, new_tokens: int = 512, recompute: bool = True,
+                  old_logps=("pass",)):
     """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2
-    minibatch updates."""
+    minibatch updates (the train half once for each --old-logp mode in old_logps)."""
     rows = []
     for base in ("nvfp4", "bf16"):
         try:
-            row = rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute)
+            row = rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
+                              old_logps)
         except torch.cuda.OutOfMemoryError:
             # e.g. a bf16 32B base (65 GB) with its KV cache and activations
             row = dict(size=size, base=base, grad_checkpoint=recompute, oom=True)
@@ -170,39 +172,45 @@ def rl_batch(eng, P, group, new_tokens, seed):
                           torch.device("cuda"))
 
 
-def train_half(m, opt_, b):
-    """The trainer's share of an RL step: log-probs of the rollout policy, then 2 minibatch updates
-    (micro-batches of 8)."""
+def train_half(m, opt_, b, old_logp: str = "pass"):
+    """The trainer's share of an RL step as train.py runs it: pi_old (ppo.batch_logprobs), then 2
+    minibatch updates in micro-batches of 8 (ppo.ppo_update, the dapo preset). old_logp: train.py's
+    --old-logp (reuse: the first minibatch's pi_old is its own training forward)."""
     import grpo
     import ppo
+    from trainer.config import Config
 
     S = b["ids"].shape[0]
-    with torch.no_grad():
-        old = torch.cat([ppo.policy_logprobs(m, b, c, 1.0)[0]
-                         for c in torch.arange(S, device="cuda").split(8)])
-    m.train()
-    for mb in torch.arange(S, device="cuda").chunk(2):
-        for c in mb.split(8):
-            lp, _ = ppo.policy_logprobs(m, b, c, 1.0)
-            loss, _ = grpo.policy_loss(lp, old[c], b["adv"][c], b["mask"][c], agg="token_mean",
-                                       num_tokens=b["mask"][mb].sum().item())
-            loss.backward()
-        opt_.step()
-        opt_.zero_grad(set_to_none=True)
-    m.eval()
+    cfg = Config(steps=1, minibatches=2, micro_batch=8, lr=1e-5, old_logp=old_logp,
+                 max_new_tokens=b["mask"].shape[1])
+    skip = ppo.shuffled_minibatches(cfg, S, 0)[0] if old_logp == "reuse" else None
+    b["old_logp"] = ppo.batch_logprobs(m, b, 1.0, 8, entropy=False, skip=skip)[0]     # (S, T)
+    ppo.ppo_update(cfg, grpo.apply_preset("dapo", {}), 0, m, b, opt_, torch.arange(S), S,
+                   shuffle_seed=0)
 
 
-def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute) -> dict:
+def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
+                old_logps=("pass",)) -> dict:
+    """The second of two RL steps (the first compiles and captures): rollout, then the train half
+    once for each --old-logp mode of old_logps, on the same batch, timed one after the other."""
     m, opt_, eng, P = rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute)
-    for it in range(2):  # the first step includes compilation and graph capture; report the second
+    for it in range(2):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         b = rl_batch(eng, P, group, new_tokens, it)
         torch.cuda.synchronize()
         t1 = time.time()
-        train_half(m, opt_, b)
-        torch.cuda.synchronize()
-        t2 = time.time()
-    return dict(size=size, base=base, grad_checkpoint=recompute, step_s=t2 - t0, rollout_s=t1 - t0,
-                train_s=t2 - t1, peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+        train_s = {}
+        for mode in old_logps:
+            t = time.time()
+            train_half(m, opt_, dict(b), mode)
+            torch.cuda.synchronize()
+            train_s[mode] = time.time() - t
+    first = train_s[old_logps[0]]
+    row = dict(size=size, base=base, grad_checkpoint=recompute, old_logp=old_logps[0],
+               step_s=t1 - t0 + first, rollout_s=t1 - t0, train_s=first,
+               peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+    for mode in old_logps[1:]:
+        row[f"train_s_{mode}"] = train_s[mode]
+    return row

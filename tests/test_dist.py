@@ -166,6 +166,23 @@ def test_two_ranks_train_what_one_process_trains(runs):
     assert runs["stdout"].count("config:") == 1
 
 
+def test_two_ranks_reusing_pi_old_train_what_one_process_trains(runs, tmp_path):
+    # --old-logp reuse under torchrun: each rank takes pi_old of its share of the first minibatch
+    # from its own training forward, the shared no-grad pass covers the other rows; the update is
+    # the one-process run's (which ran the pass over every row)
+    out = tmp_path / "two"
+    rc, _, err = torchrun(tmp_path, ROOT / "train.py", "--out", str(out), *TINY,
+                          "--old-logp", "reuse")
+    assert rc == 0, err[-3000:]
+    for step in (1, 2):
+        assert_close_adapters(adapter(out, step), adapter(runs["one"], step))
+    got, ref = rows_of(out), rows_of(runs["one"])
+    for a, b in zip(got, ref):
+        for k in ("reward", "entropy", "loss"):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+
+
 def test_each_rank_trains_an_equal_share_of_every_minibatch():
     """The benchmark's shape (2 ranks x 8 groups x 8 samples, 2 minibatches of 64): with each rank
     training its own groups' members, step 1's random minibatches give the ranks 34 and 30, then

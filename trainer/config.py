@@ -37,6 +37,7 @@ def opt(default, help, **kw):
 
 
 SCHEDULES = ("constant", "linear", "cosine")
+OLD_LOGP = ("pass", "reuse")
 
 
 @dataclass
@@ -77,6 +78,11 @@ class Config:
     lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default: the model's)")
     epochs: int = opt(1, "passes over each rollout batch")
     minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
+    old_logp: str = opt("pass", "pi_old of the first minibatch: 'pass' (the no-grad forward over "
+                                "the whole batch before any update gives every row's) or 'reuse' "
+                                "(that minibatch's own training forward, detached: no update has "
+                                "happened yet, so it is pi_old, and its rows skip the pass; "
+                                "needs --epochs 1)")
     micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a "
                                "minibatch)")
     std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not "
@@ -303,13 +309,18 @@ def check_config(cfg: Config) -> dict:
                ("aqn_where", cfg.aqn_where, noise.WHERE),
                ("engine", cfg.engine, ("builtin", "vllm")),
                ("agg", p["agg"], grpo.AGGREGATIONS),           # the preset's when --agg is left out
-               ("lr_schedule", cfg.lr_schedule, SCHEDULES))
+               ("lr_schedule", cfg.lr_schedule, SCHEDULES),
+               ("old_logp", cfg.old_logp, OLD_LOGP))
     for name, val, allowed in choices:
         if val not in allowed:
             raise Stop(f"{flag(name)} {val!r} is not one of: {', '.join(allowed)}")
     if cfg.eval_task is not None and cfg.eval_task not in data.TASKS:
         raise Stop(f"--eval-task {cfg.eval_task!r} is not one of: {', '.join(data.TASKS)}")
     check_numbers(cfg, p)
+    if cfg.old_logp == "reuse" and cfg.epochs > 1:
+        raise Stop(f"--old-logp reuse needs --epochs 1 (got {cfg.epochs}): a later epoch revisits "
+                   "the first minibatch's rows after updates, when their pi_old must be the one "
+                   "from before them; use --old-logp pass")
     # a generated task's answers are written and checked in \boxed{} (its corpus, its checker):
     # with think every reward would be 0, for the whole run, without a word
     generated = [t for t in (cfg.task, cfg.eval_task) if t is not None and data.is_generated(t)]
