@@ -60,7 +60,7 @@ from trainer import checkpoint, runlog
 from trainer.config import Config, Stop, apply_model_defaults, check_config, parse_args
 from trainer.config import resolve_config
 from trainer.prepare import evaluate, load_data, load_policy, make_engine, new_run, open_run
-from trainer.prepare import prompt_length, write_run
+from trainer.prepare import choose_grad_checkpoint, prompt_length, write_run
 from util import dist
 
 
@@ -313,7 +313,7 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
     # Set-up on every rank; a failure on any rank stops all of them before the first write, so a
     # failed set-up leaves no run folder
     stamp = ctx.gather(time.strftime("%Y%m%d-%H%M%S"))[0]   # rank 0's clock names a new run
-    err = engine = None
+    err = engine = auto = None
     try:
         print("config:", json.dumps(dataclasses.asdict(cfg)))
         print("preset:", json.dumps({k: p[k] for k in grpo.PRESETS[cfg.algo]}))
@@ -335,9 +335,15 @@ def run_rl(cfg: Config, p: dict, resume: Path | None, ctx) -> int:
         opt_ = ppo.optimizer(cfg, params)
         start = open_run(cfg, resume, model, opt_, ctx)
         engine = make_engine(cfg, model, model_dir, dev, max_prompt + cfg.max_new_tokens, ctx)
+        if cfg.grad_checkpoint is None:     # a real model: on only if the GPU has no room
+            auto = choose_grad_checkpoint(cfg, model, max_prompt + cfg.max_new_tokens, dev)
     except (Stop, ValueError, FileNotFoundError, RuntimeError) as e:
         err = e
     err = ctx.first_error(err)
+    if err is None and auto is not None:
+        on = ctx.max([float(auto[0])])[0] > 0                # a rank without room: on for all
+        cfg.grad_checkpoint = model.grad_checkpoint = on
+        print(f"grad checkpoint: {auto[1] if on == auto[0] else 'on (another rank has no room)'}")
     if err is None:
         try:
             ctx.on_main(lambda: write_run(cfg, run, start, resume is not None))

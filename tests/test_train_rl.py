@@ -233,3 +233,52 @@ def test_reusing_pi_old_needs_one_epoch(tmp_path, capsys):
     assert rc != 0
     err = capsys.readouterr().err
     assert "--old-logp reuse needs --epochs 1" in err and "\n" not in err.strip()
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+def test_gradient_checkpointing_follows_the_measured_room(monkeypatch):
+    from trainer import prepare
+
+    cfg = Config(micro_batch=8, max_new_tokens=512)
+    gpu = torch.device("cuda")
+    GB = 2**30
+    # what the probe found: (activation bytes kept, bytes free)
+    for found, on in (((40 * GB, 70 * GB), False),     # 7B on an 80 GB H100: 42 GB peak, fits
+                      ((65 * GB, 70 * GB), True),      # past the headroom
+                      ((None, 70 * GB), True)):        # ran out of memory
+        monkeypatch.setattr(prepare, "activation_probe", lambda *a, f=found: f)
+        got, why = prepare.choose_grad_checkpoint(cfg, None, 768, gpu)
+        assert got is on and why.startswith("on" if on else "off"), why
+        assert "8 x 768 tokens" in why
+    # on a CPU: on, as before, without a probe
+    monkeypatch.setattr(prepare, "activation_probe", lambda *a: pytest.fail("probed on a CPU"))
+    assert prepare.choose_grad_checkpoint(cfg, None, 768, torch.device("cpu"))[0] is True
+
+
+def test_a_real_models_run_says_and_saves_its_checkpointing(make_checkpoint, tmp_path, capsys):
+    # --model FOLDER without a recipe: the real-model defaults, whose checkpointing is decided at
+    # the start (on a CPU: on) and saved resolved, so --resume does not decide it again
+    out = tmp_path / "real"
+    rc = train.main(["--model", str(make_checkpoint("qwen2")), "--task", "synthetic", "--steps",
+                     "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4",
+                     "--eval-limit", "2", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    assert "grad checkpoint: on (the default on a CPU)" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["grad_checkpoint"] is True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the probe measures GPU memory")
+def test_the_activation_probe_measures_and_leaves_the_model_as_it_was(make_checkpoint):
+    import lora
+    import model as M
+    from trainer import prepare
+
+    m = M.Model.from_pretrained(str(make_checkpoint("qwen2")), torch.device("cuda"),
+                                torch.bfloat16)
+    lora.add_lora(m, 8, 16)
+    m.grad_checkpoint = True
+    small, free = prepare.activation_probe(m, 2, 64, 16, 1.0)
+    big, _ = prepare.activation_probe(m, 8, 64, 16, 1.0)
+    assert 0 < small < big < free            # activations grow with the micro-batch
+    assert m.grad_checkpoint is True and not m.training
+    assert all(q.grad is None for q in lora.lora_parameters(m))

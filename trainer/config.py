@@ -110,8 +110,10 @@ class Config:
     aqn_where: str = opt("rollout_only", "AQN in the rollout only (paper) or 'both' (training "
                                          "too)")
     engine: str = opt("builtin", "rollout backend: builtin or vllm")
-    grad_checkpoint: bool = opt(None, "recompute each layer in backward (less memory; default: "
-                                      "on, off for the shipped small model)")
+    grad_checkpoint: bool = opt(None, "recompute each layer in backward (less memory, a quarter "
+                                      "of the train half more time; default: the model's, and for "
+                                      "a real model on a GPU off when one --micro-batch of the "
+                                      "longest sequences fits without it, measured at the start)")
     eval_task: str = opt(None, "task evaluated every --eval-every steps (default: held-out rows of "
                                "the training task, never rows it trains on)")
     eval_every: int = opt(None, "evaluate every N steps (0 = only before and after training; "
@@ -188,9 +190,10 @@ SHIPPED = Path(__file__).resolve().parent.parent / "models" / "arith-cpu"
 TINY_DEFAULTS = dict(task="synthetic", fmt="boxed", steps=40, max_new_tokens=8,
                      lr=5e-3, lora_rank=8, lora_alpha=16.0, format_weight=0.2,
                      eval_every=0, grad_checkpoint=True)
+# (grad_checkpoint None: train.py measures whether the GPU needs it, prepare.choose_grad_checkpoint)
 REAL_DEFAULTS = dict(task="gsm8k_train", eval_task="gsm8k", fmt="boxed", steps=500,
                      max_new_tokens=1024, lr=1e-5, lora_rank=32, lora_alpha=64.0,
-                     format_weight=0.0, eval_every=50, grad_checkpoint=True)
+                     format_weight=0.0, eval_every=50, grad_checkpoint=None)
 
 
 def model_defaults(model: str) -> dict:
