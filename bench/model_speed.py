@@ -189,6 +189,29 @@ def train_half(m, opt_, b, old_logp: str = "pass"):
                    shuffle_seed=0)
 
 
+# bf16 dense tensor-core peak (FLOP/s) of the GPUs the tables name (H100 / H200 SXM: 989.4 T)
+BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12}
+
+
+def train_flops(c, S: int, L: int, T: int) -> dict:
+    """The matrix work of the train half for S sequences of L tokens, the last T scored, on model
+    config c (model.Config): one forward F = linears 2 x params x tokens + causal attention
+    (QK^T and PV over the lower triangle) + the LM head over the T scored tokens. The work it must
+    do: pi_old (a forward, no gradient), the training forward, and its backward, which for a frozen
+    base needs only dX: one forward's work for the linears and the head, two for attention (dQ,
+    and dK with dV); the LoRA's own products are left out (under 1% at rank 32). Recomputation
+    (gradient checkpointing) is extra: another forward of everything but the head."""
+    q = c.num_heads * c.head_dim
+    kv = c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
+        + 3 * c.hidden_size * c.intermediate_size
+    lin = 2 * c.num_layers * per_layer * S * L
+    attn = c.num_layers * 2 * S * L * L * q          # 2 products x 2 FLOP x L^2 / 2 x q
+    head = 2 * c.hidden_size * c.vocab_size * S * T
+    fwd = lin + attn + head
+    return dict(forward=fwd, needed=fwd + fwd + (lin + 2 * attn + head), recompute=lin + attn)
+
+
 def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
                 old_logps=("pass",)) -> dict:
     """The second of two RL steps (the first compiles and captures): rollout, then the train half
@@ -213,4 +236,11 @@ def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
                peak_GB=torch.cuda.max_memory_allocated() / 1e9)
     for mode in old_logps[1:]:
         row[f"train_s_{mode}"] = train_s[mode]
+    # the train half against the bf16 tensor-core limit of the work it must do (train_flops)
+    work = train_flops(m.cfg, prompts * group, prompt_len + new_tokens, new_tokens)
+    peak = next((v for k, v in BF16_PEAK.items() if k in torch.cuda.get_device_name()), None)
+    row["train_tflop"] = work["needed"] / 1e12
+    if peak:
+        row["train_limit_s"] = work["needed"] / peak
+        row["train_of_limit"] = row["train_limit_s"] / first
     return row

@@ -282,3 +282,27 @@ def test_the_activation_probe_measures_and_leaves_the_model_as_it_was(make_check
     assert 0 < small < big < free            # activations grow with the micro-batch
     assert m.grad_checkpoint is True and not m.training
     assert all(q.grad is None for q in lora.lora_parameters(m))
+
+
+def test_the_train_halfs_matrix_work_counts_every_weight(make_checkpoint):
+    # The benchmark's limit for the train half (bench/model_speed.train_flops) against the usual
+    # count, 2 FLOP a weight a token, taken from the model's own tensors, plus causal attention
+    # summed position by position
+    import model as M
+    from bench.model_speed import train_flops
+
+    m = M.Model.from_pretrained(str(make_checkpoint("qwen2")), torch.device("cpu"),
+                                torch.float32)
+    c = m.cfg
+    linears = sum(lin.in_features * lin.out_features for _, lin in m.linears())
+    head = c.hidden_size * c.vocab_size
+    S, L, T = 3, 40, 16
+    q = c.num_heads * c.head_dim
+    # token i attends to i + 1 keys: QK^T and PV, 2 FLOP each a (key, channel)
+    attn = c.num_layers * S * sum(2 * 2 * (i + 1) * q for i in range(L))
+    fwd = 2 * linears * S * L + attn + 2 * head * S * T
+    w = train_flops(c, S, L, T)
+    assert w["forward"] == pytest.approx(fwd, rel=0.03)
+    # pi_old + the training forward + a backward of dX only (the linears and the head once,
+    # attention twice)
+    assert w["needed"] == pytest.approx(3 * fwd + attn, rel=0.03)
