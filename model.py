@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 import quantize
 from gemm.layout import pack_nvfp4
 from layers import attention
-from layers.linear import Linear, fuse, mlp_act, project
+from layers.linear import Linear, fuse, mlp_act, norm_for, project
 from layers.ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq
 from util import tensorfile
 
@@ -118,11 +118,12 @@ class Layer(nn.Module):
         B, T, _ = h.shape
         cfg, a, m = self.cfg, self.self_attn, self.mlp
         z = noise[self.idx] if noise is not None else (None, None)             # AQN: (2, H)
+        # (B, T, H); xa: the q/k/v snapshot's A product where the norm makes it (norm_for)
         if d is None:
-            x = rms_norm(h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0])  # (B, T, H)
+            x, _, xa = norm_for(a, h, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], None)
         else:
-            x, h = rms_norm(d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], residual=h)
-        q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x)
+            x, h, xa = norm_for(a, d, self.input_layernorm.weight, cfg.rms_norm_eps, z[0], h)
+        q, k, v = project(a, ("q_proj", "k_proj", "v_proj"), x, xa)
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -151,8 +152,8 @@ class Layer(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5,
                                                enable_gqa=True)
         o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
-        x, h = rms_norm(o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], residual=h)
-        return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size))
+        x, h, xa = norm_for(m, o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], h)
+        return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size, xa))
 
 
 class KVCache:

@@ -14,6 +14,8 @@ decode tokens, CUDA-graph times (bench/common.paired_us, every side replayed in 
     (Ax^T)^T     A @ x^T, transposed: the other operand order
     shrink       layers/shrink.lora_shrink: one Triton launch (split-K fixed up by its last program)
     read A       the bytes of A at the measured copy bandwidth: the floor of any A product
+Then the norm before q/k/v and gate/up (norm_rows): alone, followed by the A product (cuBLAS,
+shrink), and with it in the same launch (layers/shrink.rms_norm_lora).
 Weights and adapters rotate over enough copies that every call reads them from HBM, as the
 layers of a real step do. The LoRA's share of the group: (gemm+B - gemm + the A product) / gemm.
 Prints one row per (group, M) and adds the rows to --json. Needs a CUDA GPU.
@@ -65,4 +67,39 @@ def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
             print(f"{name:>8} {M:>3} {t_gemm:7.2f} {t_b:7.2f} {t_now:7.2f} {t_nn:7.2f} "
                   f"{t_rev:9.2f} {t_shrink:7.2f} {t_read:7.2f} {100 * share:9.1f}%")
     out["lora"] = rows
+    out["lora_norm"] = norm_rows(Ms, shapes, rank)
+    return rows
+
+
+@torch.no_grad()          # as in generation: rms_norm_lora runs its kernel without autograd only
+def norm_rows(Ms, shapes, rank: int) -> list[dict]:
+    """The RMSNorm (residual add included) before q/k/v and before gate/up, alone, followed by the
+    group's A product (cuBLAS, lora_shrink), and with the A product in its own launch
+    (rms_norm_lora, NANOQERL_LORA_NORM=1): microseconds a call, CUDA graphs as above."""
+    from layers.ops import rms_norm
+    from layers.shrink import lora_shrink, rms_norm_lora
+
+    print(f"the norm before a fused group, and its A product (rank {rank}), microseconds a call")
+    print(f"{'group':>8} {'M':>3} {'norm':>7} {'+xA^T':>7} {'+shrink':>8} {'fused':>7} {'saved':>7}")
+    rows = []
+    for name in ("qkv", "gate_up"):
+        H = shapes[name][1]
+        R = rank * MEMBERS[name]
+        A = [torch.randn(R, H, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(copies_for(R * H * 2))]
+        w = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+        for M in Ms:
+            d = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+            h = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+            norm = lambda: rms_norm(d, w, 1e-6, None, h)[0]                # noqa: E731
+            t_norm, t_cublas, t_shrink, t_fused = paired_us(
+                [norm],
+                [lambda a=a: norm() @ a.t() for a in A],
+                [lambda a=a: lora_shrink(norm(), a) for a in A],
+                [lambda a=a: rms_norm_lora(d, w, 1e-6, None, h, a) for a in A])
+            saved = min(t_cublas, t_shrink) - t_fused
+            rows.append(dict(group=name, M=M, R=R, H=H, norm_us=t_norm, norm_xAT_us=t_cublas,
+                             norm_shrink_us=t_shrink, fused_us=t_fused, saved_us=saved))
+            print(f"{name:>8} {M:>3} {t_norm:7.2f} {t_cublas:7.2f} {t_shrink:8.2f} "
+                  f"{t_fused:7.2f} {saved:7.2f}")
     return rows

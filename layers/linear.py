@@ -15,7 +15,7 @@ from torch import nn
 import kernels
 from gemm import layout
 from layers import shrink
-from layers.ops import silu_mul
+from layers.ops import rms_norm, silu_mul
 
 
 def group_ab(lins, pads, dtype):
@@ -123,19 +123,22 @@ def epilogue_path(qw, x) -> bool:
         and x.shape[0] < kernels.LARGE_M and not torch.is_grad_enabled()
 
 
-def base_linear(mod, x, qw, gated: int = 0):
+def base_linear(mod, x, qw, gated: int = 0, xa=None):
     """x (M, in) -> (M, rows), a fresh tensor: the frozen base, NVFP4 through kernels (on CPU the
     reference, with the dequantized weight cached) or bf16, plus the generation snapshot of its LoRA
     (mod.snap, lora.snapshot): added in the NVFP4 GEMM's epilogue where that runs, else accumulated
     in place like the training adapters (add_term). gated=n (epilogue path only): silu(gate) * up
-    (M, n) of a fused gate_up instead (kernels.nvfp4_mm)."""
+    (M, n) of a fused gate_up instead (kernels.nvfp4_mm). xa: the snapshot's A product (M, R), when
+    the norm before already made it (norm_for), else None."""
     if qw is not None and not qw.words.is_cuda and not kernels.CPU_TRITON:
         if getattr(mod, "_deq", None) is None:
             mod._deq = kernels.dequantize_ref(qw, x.dtype)
         y = F.linear(x, mod._deq.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype))
     elif (mod.snap is not None or gated) and epilogue_path(qw, x):
         x = x.contiguous()
-        snap = None if mod.snap is None else (shrink.a_product(x, mod.snap[0]), mod.snap[1])
+        if xa is None and mod.snap is not None:
+            xa = shrink.a_product(x, mod.snap[0])                           # (M, R)
+        snap = None if mod.snap is None else (xa, mod.snap[1])
         return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)
     elif qw is not None:
         y = kernels.nvfp4_linear(x, qw, mod.bias)
@@ -179,10 +182,10 @@ class Fused(nn.Module):
         return layout.NVFP4Weight(self.words, self.scales, self.global_scale,
                                    self.n, self.in_features)
 
-    def forward(self, x, lins, raw: bool = False):
-        # -> one output per member
+    def forward(self, x, lins, raw: bool = False, xa=None):
+        # -> one output per member (xa: the snapshot's A product, made by the norm before)
         x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qw())                                  # (M, rows)
+        y = base_linear(self, x2, self.qw(), xa=xa)                           # (M, rows)
         if self.snap is None:
             y = lora_term(lins, self.pads, x2, y, self.training)
         y, outs, off = y.view(*x.shape[:-1], -1), [], 0
@@ -203,14 +206,29 @@ def fuse(mod, names) -> None:
         mod.fused = Fused(lins)
 
 
-def project(mod, names, x):
-    """The member projections of a fused group in one GEMM (see Fused), or one by one."""
+def project(mod, names, x, xa=None):
+    """The member projections of a fused group in one GEMM (see Fused), or one by one. xa: the
+    group's snapshot A product from norm_for, or None."""
     lins = [getattr(mod, n) for n in names]
     fused = getattr(mod, "fused", None)
-    return fused(x, lins) if fused is not None else [lin(x) for lin in lins]
+    return fused(x, lins, xa=xa) if fused is not None else [lin(x) for lin in lins]
 
 
-def mlp_act(mlp, x, n: int):
+def norm_for(mod, x, weight, eps: float, noise, residual):
+    """The RMSNorm before mod's fused group (q/k/v or gate/up): ops.rms_norm, whose output the
+    group reads. Where that group's generation snapshot will ride in its GEMM's epilogue and
+    shrink.NORM is on, the norm also makes the snapshot's A product in its own launch
+    (shrink.rms_norm_lora). Returns (y, h = x + residual or None without residual, xa or None)."""
+    fused = getattr(mod, "fused", None)
+    if shrink.NORM and fused is not None and fused.snap is not None \
+            and epilogue_path(fused.qw(), x.reshape(-1, x.shape[-1])):
+        return shrink.rms_norm_lora(x, weight, eps, noise, residual, fused.snap[0])
+    out = rms_norm(x, weight, eps, noise, residual)
+    y, h = out if residual is not None else (out, None)
+    return y, h, None
+
+
+def mlp_act(mlp, x, n: int, xa=None):
     """silu(gate) * up (..., n). Where generation runs the fused gate_up through the Triton GEMMs
     and its LoRA, if any, is the snapshot: in that GEMM's epilogue (one launch less a layer; same
     bits). Else gate and up side by side (the fused output as it is, both members padded alike, or
@@ -224,7 +242,7 @@ def mlp_act(mlp, x, n: int):
     few = x2.shape[0] <= kernels.GATED_MAX_M
     alike = fused.pads[0] == fused.pads[1]
     if few and epilogue_path(qw, x2) and alike and (fused.snap is not None or not lora_on):
-        return base_linear(fused, x2, qw, gated=n).view(*x.shape[:-1], n)
+        return base_linear(fused, x2, qw, gated=n, xa=xa).view(*x.shape[:-1], n)
     # (..., rows): gate, then up
-    gu = fused(x, lins, raw=True)
+    gu = fused(x, lins, raw=True, xa=xa)
     return silu_mul(gu, n, gu.shape[-1] // 2)

@@ -13,6 +13,12 @@ x's dtype. The same split-K fix-up as kernels.py's GEMM, without the dequantizat
 layers/linear.base_linear takes it for the generation snapshot's A product (a_product) when
 NANOQERL_LORA_SHRINK=1; off by default until the decode step is measured with it (cuBLAS's x @ A^T
 otherwise, as before).
+
+The A products of q/k/v and of gate/up read the output of the RMSNorm just before them: with
+NANOQERL_LORA_NORM=1 that norm computes them in its own launch (rms_norm_lora), so those two take no
+launch of their own. Each program takes a block of tokens and a block of A's rows: it sums the
+squares of its tokens' rows, then walks them again, normalizing, storing y (the first block of
+rows only) and multiplying it by its rows of A. Off by default, like the other, until measured.
 """
 import os
 
@@ -20,6 +26,7 @@ import torch
 
 from gemm.layout import workspace
 from kernels import _use_triton, triton
+from layers.ops import rms_norm, rms_norm_ref
 
 if triton is not None:
     import triton.language as tl
@@ -29,6 +36,10 @@ BK = 128
 STEPS_PER_PROGRAM = 4
 # the generation snapshot's A product through lora_shrink (read at every call)
 ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
+# the A products of q/k/v and gate/up inside the norm before them (layers/linear.norm_for)
+NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
+# token rows and A rows a program of rms_norm_lora takes (tl.dot's smallest side)
+NORM_BM = NORM_BR = 16
 
 
 def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -106,3 +117,91 @@ def a_product(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """The generation snapshot's A product, x (M, K) @ A (R, K)^T: lora_shrink where ON, else
     cuBLAS."""
     return lora_shrink(x, A) if ON else x @ A.t()
+
+
+# --------------------------------------------------------------------------------------------------
+# The RMSNorm with the next group's A product in the same launch
+
+def rms_norm_lora_ref(x, weight, eps: float, noise, residual, A):
+    """(y, h, xa): layers/ops.rms_norm_ref's y and h = x + residual (None without residual), and
+    xa = y @ A^T (M, R) for x (..., H), A (R, H)."""
+    out = rms_norm_ref(x, weight, eps, noise, residual)
+    y, h = out if residual is not None else (out, None)
+    return y, h, lora_shrink_ref(y.reshape(-1, y.shape[-1]), A)
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_lora_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, a_ptr, xa_ptr, M, H, R, eps,
+                          HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BM: tl.constexpr,
+                          BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
+        pid_m, pid_r = tl.program_id(0), tl.program_id(1)
+        m = pid_m * BM + tl.arange(0, BM)                                  # tokens
+        rr = pid_r * BR + tl.arange(0, BR)                                 # rows of A
+        kk = tl.arange(0, BK)
+        row = m[:, None].to(tl.int64) * H                                  # (BM, 1)
+        # pass 1: each token's sum of squares of h = x (+ residual, rounded as ops.rms_norm does)
+        ss = tl.zeros((BM,), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + kk
+            inb = (m[:, None] < M) & (k[None, :] < H)                      # (BM, BK)
+            h = tl.load(x_ptr + row + k[None, :], mask=inb, other=0.0)
+            if HAS_RES:
+                r = tl.load(r_ptr + row + k[None, :], mask=inb, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            hf = h.to(tl.float32)
+            ss += tl.sum(hf * hf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / H + eps)                                 # (BM,)
+        # pass 2: y = (w + z) * round(h * rstd), stored by the first block of A's rows; xa += y A^T
+        acc = tl.zeros((BM, BR), dtype=tl.float32)
+        first = pid_r == 0
+        for k0 in range(0, H, BK):
+            k = k0 + kk
+            inb = (m[:, None] < M) & (k[None, :] < H)
+            h = tl.load(x_ptr + row + k[None, :], mask=inb, other=0.0)
+            if HAS_RES:
+                r = tl.load(r_ptr + row + k[None, :], mask=inb, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+                tl.store(h_ptr + row + k[None, :], h, mask=inb & first)
+            w = tl.load(w_ptr + k, mask=k < H, other=0.0).to(tl.float32)
+            if HAS_NOISE:
+                # weight + noise stays fp32, as in ops.rms_norm
+                w += tl.load(z_ptr + k, mask=k < H, other=0.0).to(tl.float32)
+            hn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
+            y = (w[None, :] * hn).to(y_ptr.dtype.element_ty)              # (BM, BK)
+            tl.store(y_ptr + row + k[None, :], y, mask=inb & first)
+            a = tl.load(a_ptr + rr[:, None] * H + k[None, :],
+                        mask=(rr[:, None] < R) & (k[None, :] < H), other=0.0)   # (BR, BK)
+            if ON_CPU:  # the interpreter multiplies bf16 operands wrongly; fp32 holds them
+                acc = tl.dot(y.to(tl.float32), tl.trans(a).to(tl.float32), acc)
+            else:
+                acc = tl.dot(y, tl.trans(a), acc)                          # (BM, BR) fp32
+        tl.store(xa_ptr + m[:, None] * R + rr[None, :], acc.to(xa_ptr.dtype.element_ty),
+                 mask=(m[:, None] < M) & (rr[None, :] < R))
+
+
+def rms_norm_lora(x, weight, eps: float, noise, residual, A):
+    """ops.rms_norm (residual add, AQN noise) and the product of its output with A (R, H) in one
+    launch, for generation (no gradient): returns (y (..., H), h (..., H) or None without
+    residual, xa (M, R) in x's dtype). Where the kernel does not run (a gradient, no Triton,
+    R > 128, not bf16 / fp16): the two steps apart, ops.rms_norm then a_product."""
+    H = x.shape[-1]
+    R = A.shape[0]
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if not (_use_triton(x) and half and R <= 128 and A.shape[1] == H) or torch.is_grad_enabled():
+        out = rms_norm(x, weight, eps, noise, residual)
+        y, h = out if residual is not None else (out, None)
+        return y, h, a_product(y.reshape(-1, H), A)
+    x2 = x.reshape(-1, H).contiguous()                                     # (M, H)
+    M = x2.shape[0]
+    r2 = residual.reshape(-1, H).contiguous() if residual is not None else x2
+    y = torch.empty_like(x2)
+    h = torch.empty_like(x2) if residual is not None else x2
+    xa = torch.empty(M, R, device=x.device, dtype=x.dtype)
+    z = noise.contiguous() if noise is not None else weight
+    A = A.to(x.dtype).contiguous()
+    grid = (triton.cdiv(M, NORM_BM), triton.cdiv(R, NORM_BR))
+    _norm_lora_kernel[grid](x2, r2, weight, z, y, h, A, xa, M, H, R, eps,
+                            HAS_RES=residual is not None, HAS_NOISE=noise is not None,
+                            BM=NORM_BM, BR=NORM_BR, BK=BK, ON_CPU=not x.is_cuda)
+    return (y.reshape(x.shape), h.reshape(x.shape) if residual is not None else None, xa)

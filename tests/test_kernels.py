@@ -771,3 +771,38 @@ def test_a_product_is_cublas_unless_switched_on(monkeypatch):
     monkeypatch.setattr(shrink, "ON", True)
     shrink.a_product(x, A)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("M, H, R, res, noise", [(1, 256, 96, True, False), (5, 200, 40, True, True),
+                                                 (20, 384, 16, False, False),
+                                                 (33, 136, 64, True, True)])
+def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
+    """The RMSNorm with the next group's A product in its launch against ops.rms_norm_ref and fp32
+    math: tokens over 1-3 blocks, A's rows over 1-6 blocks (ragged at R = 40), H not a multiple
+    of the 128-column step, with and without the residual add and AQN noise. y and h: the sum of
+    squares in another order moves rstd in its last bits, which can move a bf16 rounding by one
+    ulp; the CPU interpreter truncates its bf16 casts (4 ulps there, as test_rms_norm_forward
+    says). xa: fp32 sums in another order, then one bf16 rounding (2 ulps, as lora_shrink's)."""
+    from layers import shrink
+    dev = DEVICES[0]
+    g = torch.Generator().manual_seed(M * 100 + R)
+    x = torch.randn(M, H, generator=g).to(dev, torch.bfloat16)
+    r = torch.randn(M, H, generator=g).to(dev, torch.bfloat16) if res else None
+    w = (1 + 0.1 * torch.randn(H, generator=g)).to(dev, torch.bfloat16)
+    z = (0.05 * torch.randn(H, generator=g)).to(dev) if noise else None
+    A = (0.05 * torch.randn(R, H, generator=g)).to(dev, torch.bfloat16)
+    y0, h0, xa0 = shrink.rms_norm_lora_ref(x, w, 1e-6, z, r, A)
+    monkeypatch.setattr(shrink, "rms_norm", lambda *a: pytest.fail("fell back to two launches"))
+    with torch.no_grad():
+        y, h, xa = shrink.rms_norm_lora(x, w, 1e-6, z, r, A)
+    ulp = 2.0 ** -7 if dev == "cuda" else 2.0 ** -5
+    assert (h is None) == (r is None)
+    for a, b in ((y, y0), (h, h0)) if r is not None else ((y, y0),):
+        assert ((a.float() - b.float()).abs() <= ulp * b.float().abs() + 1e-6).all()
+    assert xa.shape == (M, R) and xa.dtype == torch.bfloat16
+    # xa is the product of the y it returned: fp32 sums, one rounding to bf16
+    torch.testing.assert_close(xa.float(), shrink.lora_shrink_ref(y, A).float(), rtol=2 ** -6,
+                               atol=1e-3)
+    # and the reference's within what those few ulps of y move it (as a whole: an element near 0
+    # has no relative tolerance)
+    assert (xa.float() - xa0.float()).norm() <= 2 ** -6 * xa0.float().norm()

@@ -179,12 +179,21 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     m.lora_config = None
 
 
-def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("in_norm", [False, True])
+def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch,
+                                                            in_norm):
     """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU):
     generation adds the adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with
     torch ops. Greedy tokens must be argmaxes of the trainer's logits (up to near ties) and the
-    engine's logprobs equal the trainer's log-softmax."""
+    engine's logprobs equal the trainer's log-softmax. in_norm: the A products of q/k/v and
+    gate/up made by the norms before them (NANOQERL_LORA_NORM=1, layers/shrink.rms_norm_lora)."""
+    from layers import shrink
     monkeypatch.setattr(kernels, "CPU_TRITON", True)
+    monkeypatch.setattr(shrink, "NORM", in_norm)
+    normed = []
+    real_norm = shrink.rms_norm_lora
+    monkeypatch.setattr(shrink, "rms_norm_lora",
+                        lambda *a: normed.append(a[-1].shape[0]) or real_norm(*a))
     Q.quantize_checkpoint(str(make_checkpoint("qwen2", dtype=torch.float32)), str(tmp_path / "q"),
                           progress=False)
     m = M.Model.from_pretrained(tmp_path / "q", DEV, torch.bfloat16)
@@ -201,6 +210,11 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
     # the epilogue path ran, SiLU x up in gate_up's
     assert all(lo for lo, _ in calls) and any(g for _, g in calls)
+    # with in_norm, both norms of every layer made their group's A product (rank 4: q/k/v 12
+    # rows, gate/up 8), at every generated token
+    layers = len(m.model.layers)
+    assert sorted(set(normed)) == ([8, 12] if in_norm else [])
+    assert len(normed) == (2 * layers * 4 if in_norm else 0)
     for s in out:
         assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol=0.1)
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
