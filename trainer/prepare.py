@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 import eval as evaluation
+import lora
 import model as M
+import ppo
 import quantize
 from tasks import data
 from trainer import checkpoint, runlog
@@ -106,9 +108,6 @@ def activation_probe(model, micro_batch: int, max_len: int, completion: int,
     the last `completion` of them scored, adds with every activation kept; None if it ran out of
     memory), and the bytes this process could still allocate before it. A CUDA model; the LoRA
     gradients are dropped after, the model left as it was."""
-    import lora
-    import ppo
-
     dev = model.model.norm.weight.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.cfg.vocab_size, (micro_batch, max_len), generator=g).to(dev)
