@@ -6,7 +6,9 @@ the LoRA weights, under torchrun too.
 
 The loss itself (clipping, token or sequence aggregation, TIS, k3 KL) is grpo.policy_loss; this
 file decides which sequences go into which optimizer step, and with which learning rate (the
-schedule of trainer/schedule.py, set before every optimizer step).
+schedule of trainer/schedule.py, set before every optimizer step). pi_old comes from a no-grad
+pass over the batch before any update (batch_logprobs), or with --old-logp reuse, for the first
+minibatch, from its own training forward: no update has happened before it.
 Under torchrun (util/dist.py) every rank holds the whole batch (gather_groups: the ranks' groups,
 a few MB of token ids and log-probs), the shuffle and the minibatch split run over it as in one
 process, and each rank trains an equal share of every minibatch (rows rank, rank + world, ... of
