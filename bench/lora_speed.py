@@ -80,7 +80,8 @@ def norm_rows(Ms, shapes, rank: int) -> list[dict]:
     from layers.shrink import lora_shrink, rms_norm_lora
 
     print(f"the norm before a fused group, and its A product (rank {rank}), microseconds a call")
-    print(f"{'group':>8} {'M':>3} {'norm':>7} {'+xA^T':>7} {'+shrink':>8} {'fused':>7} {'saved':>7}")
+    print(f"{'group':>8} {'M':>3} {'norm':>7} {'+xA^T':>7} {'+shrink':>8} {'fused':>7} "
+          f"{'saved':>7}")
     rows = []
     for name in ("qkv", "gate_up"):
         H = shapes[name][1]

@@ -773,7 +773,8 @@ def test_a_product_is_cublas_unless_switched_on(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("M, H, R, res, noise", [(1, 256, 96, True, False), (5, 200, 40, True, True),
+@pytest.mark.parametrize("M, H, R, res, noise", [(1, 256, 96, True, False),
+                                                 (5, 200, 40, True, True),
                                                  (20, 384, 16, False, False),
                                                  (33, 136, 64, True, True)])
 def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):

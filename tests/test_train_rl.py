@@ -236,7 +236,7 @@ def test_reusing_pi_old_needs_one_epoch(tmp_path, capsys):
     assert "--old-logp reuse needs --epochs 1" in err and "\n" not in err.strip()
 
 
-# ----------------------------------------------------------------------------- gradient checkpointing
+# ------------------------------------------------------------------------ gradient checkpointing
 def test_gradient_checkpointing_follows_the_measured_room(monkeypatch):
     from trainer import prepare
 
