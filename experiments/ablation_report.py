@@ -96,6 +96,20 @@ def run_measures(steps: int, rows: list[dict], evals: dict, post: dict, thr_gree
                 pass_at_k=post.get("pass_at_k", {}), device=post.get("device"))
 
 
+def writes(samples: list[dict], n: int = 2) -> dict:
+    """What a run wrote at its last held-out evaluation (train.py's samples.jsonl rows): its first
+    n answers, and the share of answers that box the gold answer yet are refused (Countdown: the
+    target reached by false arithmetic, which the checker refuses; 0 where the answer alone is
+    checked). Descriptive: no claim is decided on it."""
+    def gold_answer(r):
+        return str(r.get("gold", "")).split(" ")[0]          # "96 from 3,10,..." -> "96"
+    refused = [r for r in samples
+               if not r.get("correct") and r.get("pred") and r["pred"] == gold_answer(r)]
+    return dict(examples=[dict(question=r.get("question"), response=r.get("response", ""),
+                               correct=bool(r.get("correct"))) for r in samples[:n]],
+                gold_refused=len(refused) / len(samples) if samples else None)
+
+
 def gain_steps(runs: dict, ref: tuple) -> dict:
     """Add steps_50 / steps_90 to every finished run: the first step whose trailing mean reward
     (WINDOW_GAIN steps) reaches R0 + f (R1 - R0), R0 and R1 the mean first-5 and last-20 rewards of
@@ -133,6 +147,8 @@ def aggregate(runs: dict, arms, lrs, seeds) -> dict:
             for k in ("entropy0", "entropy0_trainer", "entropy0_noisy", "reward_auc", "acc_auc",
                       "final_acc", "pass1_final", "passk_final", "mismatch", "tis_capped"):
                 g[k] = stats.mean_ci([x[k] for x in ss])
+            g["gold_refused"] = stats.mean_ci([(x.get("writes") or {}).get("gold_refused")
+                                               for x in ss])
             kept = [x["reward_auc"] for x in ss if not x["collapsed"]]
             g["reward_auc_kept"] = stats.mean_ci(kept)
             g["k_final"] = max((x["k_final"] or 0 for x in ss), default=0)
@@ -304,6 +320,7 @@ def markdown(res: dict) -> str:
         cells += [ci_text(g["mismatch"], 5), ci_text(g["tis_capped"]),
                   f"{g['gpu_minutes']:.1f} |"]
         L.append(" | ".join(cells))
+    L += writes_section(res)
     L += ["", "## Paired comparisons", "", "Mean per-seed difference a - b [95% t-interval], "
           "sign-flip p, and what the rule above says of it.", "",
           "| a - b | lr | measure | pairs | difference | p | verdict |", "|---" * 7 + "|"]
@@ -322,6 +339,30 @@ def markdown(res: dict) -> str:
     if missing:
         L += ["", "## Runs without results", ""] + missing
     return "\n".join(L) + "\n"
+
+
+def writes_section(res: dict) -> list[str]:
+    """results.md's "What the arms write": for each arm x lr, the share of final greedy answers
+    that box the gold answer yet are refused, and the first answers of its lowest finished
+    seed."""
+    L = ["", "## What the arms write", "", "At the last held-out evaluation (greedy): the share of "
+         "answers that box the gold answer but are refused (Countdown: the target reached by "
+         "false arithmetic), mean over the seeds [95% t-interval], and the first two answers of "
+         "the lowest finished seed (descriptive; no claim rests on it).", ""]
+    for name, g in res["groups"].items():
+        mine = sorted((r for r in res["runs"].values()
+                       if f"{r['arm']}@{r['lr']:g}" == name and r["phase"] == "verdict"
+                       and (r.get("writes") or {}).get("examples")), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        w = mine[0]["writes"]
+        L.append(f"- **{res['arms'][g['arm']]['label']}, lr {g['lr']:g}**: gold boxed but "
+                 f"refused {ci_text(g.get('gold_refused') or dict(n=0))}; seed {mine[0]['seed']}:")
+        for e in w["examples"]:
+            answer = e["response"].strip().replace("\n", " / ")
+            L.append(f"  - {e['question']} `{answer}` "
+                     f"({'right' if e['correct'] else 'refused'})")
+    return L if len(L) > 5 else []
 
 
 def clean(x):

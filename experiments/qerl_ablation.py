@@ -314,7 +314,9 @@ def summarize_run(run: Path, cfg: dict) -> dict | None:
                            cfg["threshold_greedy"], cfg["threshold_sampled"], rep.WINDOW)
     keys = ("model", "task", "algo", "steps", "prompts_per_step", "group_size", "eval_limit",
             "eval_every", "save_every", "lr", "seed")
-    return out | dict(config={k: rc[k] for k in keys})
+    last = run / "eval" / f"step_{rc['steps']:06d}" / "samples.jsonl"
+    samples = jobs.read_rows(last) if last.exists() else []
+    return out | dict(config={k: rc[k] for k in keys}, writes=rep.writes(samples))
 
 
 def report(exp: Path, cfg: dict) -> dict:

@@ -196,6 +196,30 @@ def test_smoke_results_hold_the_runs_numbers(smoke):
     assert res["gpu_minutes"]["total"] > 0 and res["gpu_minutes"]["held"] > 0
     assert [c["a"] + "-" + c["b"] for c in res["comparisons"]][:1] == ["nvfp4_aqn-bf16"]
     assert "Rule: each claim" in md and "inconclusive" in md and "fig_lr0.005.png" in md
+    # what each run wrote at its last evaluation: its first answers, quoted in results.md
+    for name in NAMES:
+        last = rows_of(smoke / "runs" / name / "eval" / "step_000002" / "samples.jsonl")
+        ex = res["runs"][name]["writes"]["examples"]
+        assert [e["response"] for e in ex] == [x["response"] for x in last[:2]]
+        assert last[0]["question"] in md
+
+
+def test_writes_counts_the_gold_boxed_but_refused():
+    # Countdown rows as train.py keeps them: right; the target boxed after false arithmetic;
+    # another number boxed; nothing boxed
+    gold = "96 from 3,10,2,8,2"
+    rows = [dict(question="q0", response="a", pred="96", gold=gold, correct=True),
+            dict(question="q1", response="b", pred="96", gold=gold, correct=False),
+            dict(question="q2", response="c", pred="95", gold=gold, correct=False),
+            dict(question="q3", response="d", pred=None, gold=gold, correct=False)]
+    w = rep.writes(rows)
+    assert w["gold_refused"] == 0.25
+    assert w["examples"] == [dict(question="q0", response="a", correct=True),
+                             dict(question="q1", response="b", correct=False)]
+    # an answer-only task (the gold is the answer): a boxed gold is always right
+    assert rep.writes([dict(question="q", response="r", pred="7", gold="7",
+                            correct=True)])["gold_refused"] == 0.0
+    assert rep.writes([])["gold_refused"] is None
 
 
 def test_rerun_skips_then_names_a_broken_run_while_the_other_goes_on(smoke, tmp_path, capsys):
