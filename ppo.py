@@ -185,7 +185,7 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
 
     params = lora.lora_parameters(model)
     stats, gnorms, t_allreduce = [], [], 0.0
-    reused = [0.0, 0.0]                                # entropy (sum, tokens) of the reused rows
+    reused = torch.zeros(2, device=dev)                # entropy (sum, tokens) of the reused rows
     model.train()
     for k, (i, mb) in enumerate(plan):
         reuse = k == 0 and cfg.old_logp == "reuse"     # before the first update: on-policy
@@ -203,8 +203,7 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
                                       noise=noise)                              # (s, T)
             if reuse:
                 b["old_logp"][c] = lp.detach()         # the ratio is exactly 1 here
-                reused[0] += (ent * b["mask"][c]).sum().item()
-                reused[1] += b["mask"][c].sum().item()
+                reused += torch.stack([(ent * b["mask"][c]).sum(), b["mask"][c].sum()])
             loss, st = grpo.policy_loss(
                 lp, b["old_logp"][c], b["adv"][c], b["mask"][c],
                 eps_low=p["eps_low"], eps_high=p["eps_high"], agg=p["agg"],
@@ -243,7 +242,7 @@ def ppo_update(cfg, p, step, model, b, opt_, rows, S, shuffle_seed: int, noise=N
     if ctx.world > 1:
         out["t_allreduce"] = t_allreduce
     if cfg.old_logp == "reuse":
-        out.update(ent_sum=reused[0], ent_tokens=reused[1])
+        out.update(zip(("ent_sum", "ent_tokens"), reused.tolist()))       # one sync a step
     return out
 
 

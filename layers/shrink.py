@@ -132,6 +132,15 @@ def rms_norm_lora_ref(x, weight, eps: float, noise, residual, A):
 
 if triton is not None:
     @triton.jit
+    def _residual_tile(x_ptr, r_ptr, offs, inb, HAS_RES: tl.constexpr):
+        # h = x (+ residual, summed in fp32 and rounded once, as ops.rms_norm does): (BM, BK)
+        h = tl.load(x_ptr + offs, mask=inb, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + offs, mask=inb, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        return h
+
+    @triton.jit
     def _norm_lora_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, a_ptr, xa_ptr, M, H, R, eps,
                           HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BM: tl.constexpr,
                           BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
@@ -145,11 +154,7 @@ if triton is not None:
         for k0 in range(0, H, BK):
             k = k0 + kk
             inb = (m[:, None] < M) & (k[None, :] < H)                      # (BM, BK)
-            h = tl.load(x_ptr + row + k[None, :], mask=inb, other=0.0)
-            if HAS_RES:
-                r = tl.load(r_ptr + row + k[None, :], mask=inb, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-            hf = h.to(tl.float32)
+            hf = _residual_tile(x_ptr, r_ptr, row + k[None, :], inb, HAS_RES).to(tl.float32)
             ss += tl.sum(hf * hf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / H + eps)                                 # (BM,)
         # pass 2: y = (w + z) * round(h * rstd), stored by the first block of A's rows; xa += y A^T
@@ -158,10 +163,8 @@ if triton is not None:
         for k0 in range(0, H, BK):
             k = k0 + kk
             inb = (m[:, None] < M) & (k[None, :] < H)
-            h = tl.load(x_ptr + row + k[None, :], mask=inb, other=0.0)
+            h = _residual_tile(x_ptr, r_ptr, row + k[None, :], inb, HAS_RES)
             if HAS_RES:
-                r = tl.load(r_ptr + row + k[None, :], mask=inb, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
                 tl.store(h_ptr + row + k[None, :], h, mask=inb & first)
             w = tl.load(w_ptr + k, mask=k < H, other=0.0).to(tl.float32)
             if HAS_NOISE:
