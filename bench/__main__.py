@@ -19,6 +19,8 @@ shapes).
     python -m bench kernels --parts attn    # decode attention (layers/attention.py) vs torch SDPA
     python -m bench kernels --parts lora    # what a rank-32 LoRA adds to each fused linear of a
                                             # decode step, and three ways of its A product
+    python -m bench rollout --lora-paths    # the same in the whole rollout: adapters off / on
+                                            # through each A-product path, medians of rounds
     python -m bench kernels --parts gemm --portable   # the GEMM table on the path non-Hopper
                                                       # GPUs take
     python -m bench vllm                    # rollout against vLLM: bf16, its own NVFP4 path, our
@@ -112,6 +114,13 @@ def main(argv=None):
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="with profile / rollout: LoRA of this rank on every linear "
                          "(random nonzero B)")
+    ap.add_argument("--lora-paths", action="store_true",
+                    help="with rollout: NVFP4 only, the LoRA (--lora-rank, default 32) off and on "
+                         "through each way of its A product (cuBLAS, lora_shrink, also the "
+                         "norm-fused one), in turn, --rounds times; prints each path's median "
+                         "cost against the adapters off (bench/lora_speed.rollout_paths)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with rollout --lora-paths: rounds of every path (medians over them)")
     ap.add_argument("--bases", default="nvfp4,bf16", help="with rollout: the base weights to time")
     ap.add_argument("--train", default=None, choices=["nvfp4", "bf16"],
                     help="with profile: the train half of `train` (this base) "
@@ -172,6 +181,10 @@ def main(argv=None):
         print(f"device {torch.cuda.get_device_name()}  copy bandwidth {out['copy_GBps']:.0f} GB/s")
         if args.what == "model":
             bench_model(out, args.size)
+        elif args.what == "rollout" and args.lora_paths:
+            from bench.lora_speed import rollout_paths
+            rollout_paths(out, args.size, [int(b) for b in args.batches.split(",")],
+                          args.new_tokens, 256, args.lora_rank or 32, args.rounds)
         elif args.what == "rollout":
             bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")],
                           args.new_tokens, hf=not args.no_hf, lora_rank=args.lora_rank,

@@ -18,12 +18,27 @@ Then the norm before q/k/v and gate/up (norm_rows): alone, followed by the A pro
 shrink), and with it in the same launch (layers/shrink.rms_norm_lora).
 Weights and adapters rotate over enough copies that every call reads them from HBM, as the
 layers of a real step do. The LoRA's share of the group: (gemm+B - gemm + the A product) / gemm.
-Prints one row per (group, M) and adds the rows to --json. Needs a CUDA GPU.
+Prints one row per (group, M) and adds the rows to --json.
+
+    python -m bench rollout --lora-paths --lora-rank 32 --no-hf   # the whole decode step
+
+rollout_paths: the same question for the engine's whole rollout, in one process on one model
+(NVFP4, random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and
+on through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1;
+also the norm-fused products of NANOQERL_LORA_NORM=1), every path timed once a round, in turn, over
+--rounds rounds; each path's cost is 1 - its tok/s / the adapters-off tok/s of the same round, and
+the median over rounds is printed. Needs a CUDA GPU.
 """
+import statistics
+
 import torch
 
 from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
-                          random_nvfp4)
+                          random_model, random_nvfp4)
+
+# the rollout's LoRA paths: adapters on?, layers/shrink.ON, layers/shrink.NORM
+PATHS = {"off": (False, False, False), "cublas": (True, False, False),
+         "shrink": (True, True, False), "shrink+norm": (True, True, True)}
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
@@ -104,3 +119,52 @@ def norm_rows(Ms, shapes, rank: int) -> list[dict]:
             print(f"{name:>8} {M:>3} {t_norm:7.2f} {t_cublas:7.2f} {t_shrink:8.2f} "
                   f"{t_fused:7.2f} {saved:7.2f}")
     return rows
+
+
+def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, rank: int,
+                  rounds: int) -> list[dict]:
+    """Tokens/s of the engine with the LoRA off and on each of PATHS (see the module docstring):
+    a row per (batch, round, path) in out["rollout_paths"], and per batch the median tok/s and
+    the median cost of each path (out["rollout_paths_summary"])."""
+    import lora
+    from bench.model_speed import add_random_lora, decode_bytes, time_engine
+    from layers import shrink
+
+    m = random_model(size, True)
+    add_random_lora(m, rank)
+    wb, saved, rows, summary = decode_bytes(m), (shrink.ON, shrink.NORM), [], []
+    try:
+        for B in batches:
+            for r in range(rounds):
+                for path, (on, shrink_on, norm_on) in PATHS.items():
+                    lora.set_enabled(m, on)
+                    # read at every call; a fresh engine captures its graphs with them
+                    shrink.ON, shrink.NORM = shrink_on, norm_on
+                    row = dict(size=size, rank=rank, batch=B, round=r, path=path,
+                               **time_engine(m, B, prompt, new_tokens, wb, out))
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+            summary.append(path_summary(B, [x for x in rows if x["batch"] == B]))
+    finally:
+        shrink.ON, shrink.NORM = saved
+        lora.set_enabled(m, True)
+    out["rollout_paths"], out["rollout_paths_summary"] = rows, summary
+    return summary
+
+
+def path_summary(B: int, rows: list[dict]) -> dict:
+    """Per path: the median tok/s over rounds and the median of each round's cost against the same
+    round's adapters-off run; printed as one line."""
+    off = {x["round"]: x["tok_s"] for x in rows if x["path"] == "off"}
+    res = dict(batch=B, rounds=len(off))
+    line = f"batch {B:>3}: off {statistics.median(off.values()):8.1f} tok/s"
+    for path in PATHS:
+        if path == "off":
+            continue
+        mine = [x for x in rows if x["path"] == path]
+        cost = statistics.median(1 - x["tok_s"] / off[x["round"]] for x in mine)
+        tok = statistics.median(x["tok_s"] for x in mine)
+        res[path] = dict(tok_s=tok, cost=cost)
+        line += f" | {path} {tok:8.1f}, cost {100 * cost:5.1f}%"
+    print(line)
+    return res

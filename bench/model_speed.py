@@ -48,51 +48,69 @@ def bench_model(out: dict, size: str = "7b"):
     out["model_" + size] = rows
 
 
+def add_random_lora(m, rank: int):
+    """A LoRA of this rank (alpha 2 x rank) on every linear, A and B random and nonzero: the LoRA
+    product at its real cost, as an RL rollout carries it."""
+    import lora
+
+    lora.add_lora(m, rank, 2.0 * rank, seed=0)
+    with torch.no_grad():
+        for p_ in lora.lora_parameters(m):
+            p_.normal_(0, 0.01)
+
+
+def decode_bytes(m) -> int:
+    """Weight bytes a decode step reads: the embedding is gathered B rows at a time, so it counts
+    only where it is tied (the lm_head then reads it all)."""
+    emb = m.model.embed_tokens.weight
+    return weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())
+
+
+def time_engine(m, B: int, prompt: int, new_tokens: int, wb: int, out: dict) -> dict:
+    """One built-in engine for m at batch B (its CUDA graphs captured by a first call), then timed:
+    tokens/s of B random prompts of `prompt` tokens decoding new_tokens each (EOS ignored), the
+    prefill alone, the decode step, its roofline (wb weight bytes + the mean KV cache, at the
+    measured copy bandwidth) and the peak memory."""
+    import rollout
+
+    eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
+    prompts = torch.randint(0, 150000, (B, prompt)).tolist()
+    # compile + capture the graphs
+    eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
+    torch.cuda.synchronize()
+    dt, t0 = time.time() - t0, time.time()
+    # the prefill alone
+    eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)
+    torch.cuda.synchronize()
+    dt1, toks = time.time() - t0, sum(len(o.tokens) for o in outs)
+    c = m.cfg
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * B * (prompt + new_tokens / 2)
+    return dict(tok_s=toks / dt, prefill_ms=1e3 * dt1,
+                decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
+                roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
+                peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+
+
 def bench_rollout(out: dict, size: str, batches, new_tokens: int = 512, prompt: int = 256,
                   bases=("nvfp4", "bf16"), hf: bool = True, lora_rank: int = 0):
     """Tokens/s of the built-in engine (NVFP4 vs bf16) and of transformers generate (bf16), EOS
     ignored.
     lora_rank > 0: a LoRA of that rank on every linear, with random nonzero B (as an RL rollout
     carries)."""
-    import lora
-    import rollout
-
     rows = []
     for base in bases:
         m = random_model(size, base == "nvfp4")
         if lora_rank:
-            lora.add_lora(m, lora_rank, 2.0 * lora_rank, seed=0)
-            with torch.no_grad():
-                for p_ in lora.lora_parameters(m):
-                    p_.normal_(0, 0.01)  # nonzero A and B: the LoRA product at its real cost
-        # a decode step gathers B rows of it (unless tied: the lm_head reads it all)
-        emb = m.model.embed_tokens.weight
-        # bytes a step reads
-        wb = weight_bytes(m) - (0 if m.lm_head is None else emb.numel() * emb.element_size())
+            add_random_lora(m, lora_rank)
+        wb = decode_bytes(m)
         for B in batches:
             try:
-                eng = rollout.Engine(m, max_batch=B, max_len=prompt + new_tokens)
-                prompts = torch.randint(0, 150000, (B, prompt)).tolist()
-                # compile + capture the graphs
-                eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[])
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                t0 = time.time()
-                outs = eng.generate(prompts, max_new_tokens=new_tokens, stop_token_ids=[], seed=0)
-                torch.cuda.synchronize()
-                dt, t0 = time.time() - t0, time.time()
-                # the prefill alone
-                eng.generate(prompts, max_new_tokens=1, stop_token_ids=[], seed=0)
-                torch.cuda.synchronize()
-                dt1, toks = time.time() - t0, sum(len(o.tokens) for o in outs)
-                kv = (2 * m.cfg.num_layers * m.cfg.num_kv_heads * m.cfg.head_dim * 2 * B
-                      * (prompt + new_tokens / 2))
-                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, tok_s=toks / dt,
-                           prefill_ms=1e3 * dt1,
-                           decode_ms_per_step=1e3 * (dt - dt1) / max(new_tokens - 1, 1),
-                           roofline_ms=(wb + kv) / (out.get("copy_GBps", 3000) * 1e6),
-                           peak_GB=torch.cuda.max_memory_allocated() / 1e9)
-                del eng
+                row = dict(size=size, base=base, lora_rank=lora_rank, batch=B,
+                           **time_engine(m, B, prompt, new_tokens, wb, out))
             except torch.cuda.OutOfMemoryError:
                 row = dict(size=size, base=base, lora_rank=lora_rank, batch=B, oom=True)
             torch.cuda.empty_cache()

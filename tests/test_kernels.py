@@ -807,3 +807,24 @@ def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
     # and the reference's within what those few ulps of y move it (as a whole: an element near 0
     # has no relative tolerance)
     assert (xa.float() - xa0.float()).norm() <= 2 ** -6 * xa0.float().norm()
+
+
+def test_the_lora_path_benchmark_costs_each_round_against_its_own_adapters_off_run():
+    # bench rollout --lora-paths: a slow round (a busy GPU) must not count against one path, so
+    # each round's cost is taken against the adapters-off run of that round, then the median.
+    # Hand-made tok/s; costs by hand: cublas 0.2 / 0.1 / 0.3, shrink 0.1 / 0.04 / 0.08,
+    # shrink+norm 0.05 / 0.02 / 0.04
+    from bench.lora_speed import path_summary
+
+    tok = {0: dict(off=100, cublas=80, shrink=90, norm=95),
+           1: dict(off=50, cublas=45, shrink=48, norm=49),
+           2: dict(off=100, cublas=70, shrink=92, norm=96)}
+    names = dict(off="off", cublas="cublas", shrink="shrink", norm="shrink+norm")
+    rows = [dict(batch=16, round=r, path=names[k], tok_s=v)
+            for r, d in tok.items() for k, v in d.items()]
+    got = path_summary(16, rows)
+    assert got["rounds"] == 3
+    assert got["cublas"]["cost"] == pytest.approx(0.2)
+    assert got["shrink"]["cost"] == pytest.approx(0.08)
+    assert got["shrink+norm"]["cost"] == pytest.approx(0.04)
+    assert got["cublas"]["tok_s"] == 70
