@@ -25,7 +25,10 @@ Strong scaling splits 16 prompts over the N GPUs: efficiency T(1) / (N T(N)).
 Columns, medians over the timed steps after one warm-up step (compilation, CUDA graphs): step =
 rank 0's wall time; rollout and train = the slowest rank's; all-reduce = the fastest rank's time in
 the gradient all-reduce, which is the transfer (a slower rank's time there also holds its wait for
-the slowest one, so train + all-reduce < step).
+the slowest one, so train + all-reduce < step). The row's `per_rank` holds each rank's medians of
+every phase: the batch (ppo.gather_groups and make_batch), pi_old (batch_logprobs), the update
+without its all-reduce, and the all-reduce; the phase where one rank is slower than the others is
+where the others' wait in the all-reduce comes from.
 """
 import argparse
 import json
@@ -136,31 +139,43 @@ def worker(args) -> int:
             groups = ppo.gather_groups(groups, list(range(lo, hi)), ctx)
         adv = grpo.group_advantages(torch.stack([g["rewards"] for g in groups]))   # (B, G)
         b = ppo.make_batch(groups, adv, dev)
+        sync(dev)
+        tg = time.perf_counter()
         b["old_logp"] = ppo.batch_logprobs(m, b, 1.0, 8, ctx=ctx, shared=shared,
                                            entropy=False)[0]                         # (S, T)
+        sync(dev)
+        to = time.perf_counter()
         rows = None if shared else torch.arange(lo * G, hi * G)
         out = ppo.ppo_update(cfg, p, step, m, b, opt_, rows, P * G, shuffle_seed=step, ctx=ctx)
         sync(dev)
         t2 = time.perf_counter()
         members = [len(mb) for _, mb in ppo.minibatch_plan(cfg, step, rows, P * G, dev, step, ctx)]
         ar = out.get("t_allreduce", 0.0)
-        times.append(dict(step=t2 - t0, rollout=t1 - t0, train=t2 - t1 - ar, allreduce=ar))
+        times.append(dict(step=t2 - t0, rollout=t1 - t0, train=t2 - t1 - ar, allreduce=ar,
+                          batch=tg - t1, old_logp=to - tg, update=t2 - to - ar))
     pure = pure_allreduce(lora.lora_parameters(m), ctx)
     timed = times[1:] or times  # the first step compiles and captures
     mean = {k: statistics.median(t[k] for t in timed) for k in timed[0]}  # medians over timed steps
     rollout_s, train_s, neg_ar = ctx.max([mean["rollout"], mean["train"], -mean["allreduce"]])
     peak = ctx.max([torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else 0.0])[0]
     members = ctx.gather(members)                          # (ranks, minibatches) of the last step
+    # every rank's phases (medians): the phase where one rank is slower is where the wait starts
+    per_rank = ctx.gather({k: round(v, 4) for k, v in mean.items()})
     if ctx.main:
         row = dict(mode=args.mode, gpus=world, prompts=P, sequences=P * G, step_s=mean["step"],
                    rollout_s=rollout_s, train_s=train_s, allreduce_s=-neg_ar,
                    allreduce_alone_s=pure, tokens_s=P * G * args.new_tokens / mean["step"],
                    steps_s=[t["step"] for t in timed], peak_GB=peak, batch=args.batch,
-                   members=members,
+                   members=members, per_rank=per_rank,
                    device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
         fsutil.atomic_write_text(Path(args.out), json.dumps(row))
     ctx.close()
     return 0
+
+
+# the per-rank phases under a row of several GPUs: (shown as, key)
+PHASES = (("rollout", "rollout"), ("batch", "batch"), ("pi_old", "old_logp"),
+          ("update", "update"), ("all-reduce", "allreduce"))
 
 
 def table(rows) -> str:
@@ -180,6 +195,9 @@ def table(rows) -> str:
                      f"{r['rollout_s']:>9.2f}  {r['train_s']:>7.2f}  {r['allreduce_s']:>12.4f}  "
                      f"{r.get('allreduce_alone_s', 0):>7.4f}  {r['tokens_s']:>8.0f}  "
                      f"{r['peak_GB']:>7.1f}  {100 * eff:>9.1f}%")
+        for k, ph in enumerate(r.get("per_rank", []) if r["gpus"] > 1 else []):
+            lines.append(f"        rank {k}: " + "  ".join(
+                f"{name} {ph[key]:.3f}" for name, key in PHASES if key in ph))
     return "\n".join(lines)
 
 

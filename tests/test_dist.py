@@ -420,4 +420,8 @@ def test_the_scaling_benchmark_runs_its_plumbing_on_cpu(tmp_path):
     # only 2 ranks all-reduce; each trained an equal share of every minibatch
     assert rows[1]["allreduce_alone_s"] > 0 and rows[0]["allreduce_alone_s"] == 0
     assert rows[1]["batch"] == "whole" and rows[1]["members"] == [[4, 4], [4, 4]]
+    # each rank's phases, in the row and under it in the table
+    phases = {"rollout", "batch", "old_logp", "update", "allreduce", "train", "step"}
+    assert len(rows[1]["per_rank"]) == 2 and all(set(ph) == phases for ph in rows[1]["per_rank"])
+    assert "rank 1: rollout" in r.stdout
     assert "efficiency" in r.stdout
