@@ -32,7 +32,7 @@ TESTBED_RL = dict(fmt="boxed", steps=300, max_new_tokens=64, lr=3e-4, lora_rank=
                   lora_alpha=16.0, format_weight=0.0, eval_every=50, grad_checkpoint=False)
 # a run of the shipped model that still takes steps, evaluates between them and saves
 SHORT = ["--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-limit", "4",
-         "--eval-every", "1", "--save-every", "1"]
+         "--eval-every", "1", "--save-every", "1", "--device", "cpu"]
 
 
 def one_line_error(capsys, *needles) -> str:

@@ -182,7 +182,8 @@ def test_shipped_adapter_loads_in_peft(tmp_path, tok):
 TINY = ["--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "2",
         "--num-heads", "4", "--num-kv-heads", "2", "--digits", "2", "--slip", "0",
         "--batch-size", "32", "--lr", "5e-3", "--warmup-steps", "20", "--eval-prompts", "32",
-        "--final-prompts", "32", "--max-new-tokens", "32", "--threads", "1", "--qat-from", "0.9"]
+        "--final-prompts", "32", "--max-new-tokens", "32", "--threads", "1", "--qat-from", "0.9",
+        "--device", "cpu"]
 
 
 def test_pretrain_learns(tmp_path):
