@@ -241,12 +241,13 @@ def add_time(exp: Path, name: str, seconds: float, share: float, slot) -> None:
 
 def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Path,
              launch_until: float | None = None, finish_by: float | None = None,
-             mps: dict | None = None) -> tuple[dict, int]:
+             mps: dict | None = None, on_finish=None) -> tuple[dict, int]:
     """Run the jobs on the slots, starting none after `launch_until` and none that would end after
     `finish_by` (time.time() values; a run's length judged by the longest one finished in this
     call, so the first wave always starts). Returns ({name: error} of the failed runs, the number
     of jobs left unstarted). Ctrl-C stops the workers (each keeps its last checkpoint) and
-    returns. mps: {GPU id: the client environment of its MPS daemon} (mps_start), or None."""
+    returns. mps: {GPU id: the client environment of its MPS daemon} (mps_start), or None.
+    on_finish: called with no argument after each round of the loop in which a run finished."""
     from tqdm import tqdm
 
     threads = max(1, (os.cpu_count() or 1) // len(slots))  # workers must not each take every core
@@ -302,8 +303,11 @@ def run_jobs(jobs: list[dict], slots: list, exp: Path, share: float, script: Pat
             for slot in free[:len(pending)]:
                 start(slot)
             time.sleep(0.2)
-            for slot in [s for s, r in running.items() if r[1].poll() is not None]:
+            ended = [s for s, r in running.items() if r[1].poll() is not None]
+            for slot in ended:
                 finish(slot)
+            if ended and on_finish:
+                on_finish()
     except KeyboardInterrupt:
         for job, proc, *_ in running.values():
             proc.send_signal(signal.SIGINT)  # train.py stops cleanly at its last checkpoint
@@ -362,6 +366,23 @@ def mps_stop(envs: dict) -> None:
 # What comes back from a machine: the finished runs' numbers, without weights or checkpoints
 
 KEEP = ("config.json", "metrics.jsonl", "post.json")
+
+
+def pack_often(exp: Path, path: Path, earlier: list[Path], every: float = 60.0):
+    """A callback for run_jobs' on_finish: rewrite the pack (pack) at most once every `every`
+    seconds, so that a machine lost before the scheduler ends leaves a pack of the runs finished
+    up to a minute before. A failure to write it is named and the runs go on."""
+    last = [time.time()]
+
+    def maybe():
+        if time.time() - last[0] < every:
+            return
+        last[0] = time.time()
+        try:
+            pack(exp, path, earlier)
+        except OSError as e:
+            print(f"warning: the pack {path} was not rewritten: {e}", file=sys.stderr)
+    return maybe
 
 
 def pack(exp: Path, path: Path, earlier: list[Path] = ()) -> Path:

@@ -28,12 +28,12 @@ every learning rate on every seed and the claims are judged at each.
 
 A rerun skips finished runs, resumes a partial one from its last checkpoint (or starts it again:
 --restart-partial), starts no run after --launch-until seconds nor one that would end after
---finish-by (a machine's time is limited), and names each failed run with its error while the
-others go on (experiments/ablation_jobs.py runs them). One scheduler per folder (a lock); --mps
-lets the runs sharing a GPU run their kernels side by side. The report (results.json, results.md,
-fig_lr<lr>.png, selection.json) reads only the run folders, so --report-only redoes it alone;
---pack writes what a machine brings back. GPU time: each attempt's wall time x its GPU share, per
-arm and per --part.
+--finish-by (a machine's time is limited), and names each failed run with its error while the others
+go on (experiments/ablation_jobs.py runs them). One scheduler per folder (a lock); --mps lets the
+runs sharing a GPU run their kernels side by side. The report (results.json, results.md,
+fig_lr<lr>.png, selection.json) reads only the run folders, so --report-only redoes it alone; --pack
+writes what a machine brings back (also while the runs go, at most once a minute). GPU time: each
+attempt's wall time x its GPU share, per arm and per --part.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
 if __name__ == "__main__":
@@ -149,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="packs brought back before (extracted into --out): --pack leaves out "
                          "the files they hold unchanged, so each part adds only what is new")
     ap.add_argument("--pack", default=None,
-                    help="at the end, write the runs' numbers (no weights) to this .tar.gz")
+                    help="write the runs' numbers (no weights) to this .tar.gz: at the end, and "
+                         "at most once a minute while runs finish (a machine lost midway "
+                         "leaves the runs finished up to a minute before)")
     ap.add_argument("--threshold-greedy", type=float,
                     help="held-out greedy accuracy whose first evaluation step is reported "
                          "(default: 0.5, or the saved)")
@@ -485,6 +487,9 @@ def run_all(args, cfg: dict, exp: Path, slots: list, until, finish_by, mps) -> t
     """Plan and run rounds until nothing plannable is left or time is up: ({name: error}, runs
     started)."""
     failed, ran = {}, 0
+    # --pack: rewritten while the runs go, so a machine lost midway leaves the finished ones
+    refresh = (jobs.pack_often(exp, Path(args.pack), [Path(x) for x in args.pack_after])
+               if args.pack else None)
     while True:
         todo, skipped = plan(cfg, exp, False)
         todo = [j for j in todo if j["name"] not in failed]
@@ -493,7 +498,7 @@ def run_all(args, cfg: dict, exp: Path, slots: list, until, finish_by, mps) -> t
         if not todo:
             return failed, ran
         bad, left = jobs.run_jobs(todo, slots, exp, 1.0 / cfg["procs_per_gpu"],
-                                  Path(__file__).resolve(), until, finish_by, mps)
+                                  Path(__file__).resolve(), until, finish_by, mps, refresh)
         failed.update(bad)
         ran += len(todo) - left
         if left or until and time.time() > until or finish_by and time.time() > finish_by:

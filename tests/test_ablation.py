@@ -424,6 +424,31 @@ def test_finish_by_starts_no_run_that_would_end_after_it(tmp_path):
     assert sorted(p.name for p in (exp / "timing").iterdir()) == ["r0.json", "r1.json"]
 
 
+def test_the_pack_is_rewritten_while_the_runs_go(tmp_path):
+    # --pack: the scheduler calls on_finish after each round in which a run ended; pack_often
+    # rewrites the pack then, at most once every `every` seconds
+    import tarfile
+    exp = tmp_path / "exp"
+    fake_run(exp / "runs" / "bf16-lr0.0001-s0", [0.1, 0.2], 0, 1e-4)
+    script = tmp_path / "worker.py"
+    script.write_text("import time\ntime.sleep(0.3)\n")
+    path, seen = tmp_path / "sofar.tgz", []
+    refresh = jobs.pack_often(exp, path, [], every=0.0)
+
+    def on_finish():
+        refresh()
+        seen.append(sorted(tarfile.open(path).getnames()))
+    failed, left = jobs.run_jobs([dict(name=f"r{i}") for i in range(3)], [None], exp, 1.0, script,
+                                 on_finish=on_finish)
+    assert failed == {} and left == 0
+    # one slot: each run ends in a round of its own, and the pack holds the finished run's numbers
+    assert len(seen) == 3 and "runs/bf16-lr0.0001-s0/metrics.jsonl" in seen[0]
+    # within `every` seconds of the last write (or of its start) it writes nothing
+    later = jobs.pack_often(exp, tmp_path / "later.tgz", [], every=3600.0)
+    later()
+    assert not (tmp_path / "later.tgz").exists()
+
+
 def test_mps_daemons_per_gpu_and_their_clients_environment(tmp_path, monkeypatch):
     # a stand-in for nvidia-cuda-mps-control that logs how it was called, and a stand-in worker
     # that logs the environment it got
