@@ -22,12 +22,12 @@ Prints one row per (group, M) and adds the rows to --json.
 
     python -m bench rollout --lora-paths --lora-rank 32 --no-hf   # the whole decode step
 
-rollout_paths: the same question for the engine's whole rollout, in one process on one model
-(NVFP4, random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and
-on through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1;
-also the norm-fused products of NANOQERL_LORA_NORM=1), every path timed once a round, in turn, over
---rounds rounds; each path's cost is 1 - its tok/s / the adapters-off tok/s of the same round, and
-the median over rounds is printed. Needs a CUDA GPU.
+rollout_paths: the same question for the engine's whole rollout, in one process on one model (NVFP4,
+random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and on
+through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1; also
+the norm-fused products of NANOQERL_LORA_NORM=1), every path timed once a round, in turn, over
+--rounds rounds (odd rounds in reverse order); each path's cost is 1 - its tok/s / the adapters-off
+tok/s of the same round, and the median over rounds is printed. Needs a CUDA GPU.
 """
 import statistics
 
@@ -136,7 +136,10 @@ def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, r
     try:
         for B in batches:
             for r in range(rounds):
-                for path, (on, shrink_on, norm_on) in PATHS.items():
+                # odd rounds in reverse: a drift over a round (clocks, heat) favours no path
+                order = list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]
+                for path in order:
+                    on, shrink_on, norm_on = PATHS[path]
                     lora.set_enabled(m, on)
                     # read at every call; a fresh engine captures its graphs with them
                     shrink.ON, shrink.NORM = shrink_on, norm_on
