@@ -165,6 +165,9 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
+    if args.rounds < 1:
+        print(f"error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: python -m bench needs a CUDA GPU", file=sys.stderr)
         return 2

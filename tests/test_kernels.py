@@ -828,3 +828,11 @@ def test_the_lora_path_benchmark_costs_each_round_against_its_own_adapters_off_r
     assert got["shrink"]["cost"] == pytest.approx(0.08)
     assert got["shrink+norm"]["cost"] == pytest.approx(0.04)
     assert got["cublas"]["tok_s"] == 70
+
+
+def test_the_lora_path_benchmark_refuses_zero_rounds_in_one_line(capsys):
+    # before any GPU check: the same line on every machine
+    from bench.__main__ import main
+
+    assert main(["rollout", "--lora-paths", "--rounds", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --rounds must be >= 1, got 0"
