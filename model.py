@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 import quantize
 from gemm.layout import pack_nvfp4
 from layers import attention
-from layers.linear import Linear, fuse, mlp_act, norm_for, project
+from layers.linear import Linear, fuse, mlp_act, next_a, norm_for, project
 from layers.ops import rms_norm, rope, rope_cache, rope_cos_sin, rope_inv_freq
 from util import tensorfile
 
@@ -135,10 +135,15 @@ class Layer(nn.Module):
             # new key and value and the attention over kv_len slots in one kernel
             # (B, kv_heads, kv_len, D)
             ck, cv = cache.k[self.idx][:, :, :kv_len], cache.v[self.idx][:, :, :kv_len]
-            o = attention.decode_attention(q.transpose(1, 2), ck, cv, mask, cfg.head_dim ** -0.5,
-                                           new=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0],
-                                                slots))
+            # o_proj's snapshot A, where the attention makes o_proj's A product too (next_a)
+            a_o = next_a(a.o_proj, q.reshape(B * T, -1))
+            out = attention.decode_attention(q.transpose(1, 2), ck, cv, mask,
+                                             cfg.head_dim ** -0.5, a_next=a_o,
+                                             new=(k[:, 0], v[:, 0], cos[:, 0, 0], sin[:, 0, 0],
+                                                  slots))
+            o, xa_o = out if a_o is not None else (out, None)
         else:
+            xa_o = None
             if cache is not None:
                 # generation: rotate q, k and write k, v to the T slots in one kernel
                 ck, cv = cache.k[self.idx], cache.v[self.idx]
@@ -151,7 +156,7 @@ class Layer(nn.Module):
                 q, k = rope(q, cos, sin), rope(k, cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.head_dim ** -0.5,
                                                enable_gqa=True)
-        o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1))                      # (B, T, H)
+        o = a.o_proj(o.transpose(1, 2).reshape(B, T, -1), xa_o)                # (B, T, H)
         x, h, xa = norm_for(m, o, self.post_attention_layernorm.weight, cfg.rms_norm_eps, z[1], h)
         return h, m.down_proj(mlp_act(m, x, cfg.intermediate_size, xa))
 

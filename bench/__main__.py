@@ -117,8 +117,9 @@ def main(argv=None):
     ap.add_argument("--lora-paths", action="store_true",
                     help="with rollout: NVFP4 only, the LoRA (--lora-rank, default 32) off and on "
                          "through each way of its A product (cuBLAS, lora_shrink, also the "
-                         "norm-fused one), in turn, --rounds times; prints each path's median "
-                         "cost against the adapters off (bench/lora_speed.rollout_paths)")
+                         "norm-fused ones, also o_proj's in the attention), in turn, --rounds "
+                         "times; prints each path's median cost against the adapters off "
+                         "(bench/lora_speed.rollout_paths)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with rollout --lora-paths: rounds of every path (medians over them)")
     ap.add_argument("--bases", default="nvfp4,bf16", help="with rollout: the base weights to time")

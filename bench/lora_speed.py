@@ -25,9 +25,10 @@ Prints one row per (group, M) and adds the rows to --json.
 rollout_paths: the same question for the engine's whole rollout, in one process on one model (NVFP4,
 random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and on
 through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1; also
-the norm-fused products of NANOQERL_LORA_NORM=1), every path timed once a round, in turn, over
---rounds rounds (odd rounds in reverse order); each path's cost is 1 - its tok/s / the adapters-off
-tok/s of the same round, and the median over rounds is printed. Needs a CUDA GPU.
+the norm-fused products of NANOQERL_LORA_NORM=1, and o_proj's made by the decode attention,
+NANOQERL_LORA_ATTN=1), every path timed once a round, in turn, over --rounds rounds (odd rounds in
+reverse order); each path's cost is 1 - its tok/s / the adapters-off tok/s of the same round, and
+the median over rounds is printed. Needs a CUDA GPU.
 """
 import statistics
 
@@ -36,9 +37,10 @@ import torch
 from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
                           random_model, random_nvfp4)
 
-# the rollout's LoRA paths: adapters on?, layers/shrink.ON, layers/shrink.NORM
-PATHS = {"off": (False, False, False), "cublas": (True, False, False),
-         "shrink": (True, True, False), "shrink+norm": (True, True, True)}
+# the rollout's LoRA paths: adapters on?, layers/shrink.ON, .NORM, .ATTN
+PATHS = {"off": (False, False, False, False), "cublas": (True, False, False, False),
+         "shrink": (True, True, False, False), "shrink+norm": (True, True, True, False),
+         "shrink+norm+attn": (True, True, True, True)}
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
@@ -132,24 +134,24 @@ def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, r
 
     m = random_model(size, True)
     add_random_lora(m, rank)
-    wb, saved, rows, summary = decode_bytes(m), (shrink.ON, shrink.NORM), [], []
+    wb, saved, rows, summary = decode_bytes(m), (shrink.ON, shrink.NORM, shrink.ATTN), [], []
     try:
         for B in batches:
             for r in range(rounds):
                 # odd rounds in reverse: a drift over a round (clocks, heat) favours no path
                 order = list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]
                 for path in order:
-                    on, shrink_on, norm_on = PATHS[path]
+                    on, shrink.ON, shrink.NORM, shrink.ATTN = PATHS[path]
+                    # the switches are read at every call; a fresh engine captures its graphs
+                    # with them
                     lora.set_enabled(m, on)
-                    # read at every call; a fresh engine captures its graphs with them
-                    shrink.ON, shrink.NORM = shrink_on, norm_on
                     row = dict(size=size, rank=rank, batch=B, round=r, path=path,
                                **time_engine(m, B, prompt, new_tokens, wb, out))
                     torch.cuda.empty_cache()
                     rows.append(row)
             summary.append(path_summary(B, [x for x in rows if x["batch"] == B]))
     finally:
-        shrink.ON, shrink.NORM = saved
+        shrink.ON, shrink.NORM, shrink.ATTN = saved
         lora.set_enabled(m, True)
     out["rollout_paths"], out["rollout_paths_summary"] = rows, summary
     return summary
@@ -162,9 +164,9 @@ def path_summary(B: int, rows: list[dict]) -> dict:
     res = dict(batch=B, rounds=len(off))
     line = f"batch {B:>3}: off {statistics.median(off.values()):8.1f} tok/s"
     for path in PATHS:
-        if path == "off":
-            continue
         mine = [x for x in rows if x["path"] == path]
+        if path == "off" or not mine:
+            continue
         cost = statistics.median(1 - x["tok_s"] / off[x["round"]] for x in mine)
         tok = statistics.median(x["tok_s"] for x in mine)
         res[path] = dict(tok_s=tok, cost=cost)

@@ -8,24 +8,27 @@ beside its reference.
     python -m bench profile --ab attn --batches 1,16,64
         # H100: the engine's decode step with it and with SDPA
 
-A decode step's attention reads every key and value of every sequence once
-(2 * B * kv_heads * kv * head_dim bf16) and little else: a streaming kernel. A program takes one KV
-head of one sequence, with all the query heads of its GQA group as the rows of one tile (padded to
-16 for the tensor cores), and one chunk of the keys; where a sequence has several chunks (few
-sequences: more programs to fill the SMs), a second launch merges their softmax partials
-(flash-decoding). The mask is the engine's bool (B, S) of valid keys, read as it is. In a decode
-step the kernel also applies RoPE to q and the new key and writes the new key and value to the cache
-(the program whose chunk holds their slot; it counts them from registers), so ops.rope_cache needs
-no launch of its own. Used by model.py for decode steps (one new token a row, with a cache); the
-prefill and training keep torch SDPA. Leaves out: sliding windows, soft-capping, ALiBi; head_dim
+A decode step's attention reads every key and value of every sequence once (2 * B * kv_heads * kv *
+head_dim bf16) and little else: a streaming kernel. A program takes one KV head of one sequence,
+with all the query heads of its GQA group as the rows of one tile (padded to 16 for the tensor
+cores), and one chunk of the keys; where a sequence has several chunks (few sequences: more programs
+to fill the SMs), a second launch merges their softmax partials (flash-decoding). The mask is the
+engine's bool (B, S) of valid keys, read as it is. In a decode step the kernel also applies RoPE to
+q and the new key and writes the new key and value to the cache (the program whose chunk holds their
+slot; it counts them from registers), so ops.rope_cache needs no launch of its own. Used by model.py
+for decode steps (one new token a row, with a cache); the prefill and training keep torch SDPA. With
+a_next (NANOQERL_LORA_ATTN=1) the merge launch also makes o_proj's LoRA A product of the output, so
+that product takes no launch of its own. Leaves out: sliding windows, soft-capping, ALiBi; head_dim
 that is not a power of two and fp32 fall back to the reference.
 """
 import math
 
 import torch
 
+from gemm.layout import workspace
 from kernels import INTERPRET, _use_triton, triton
 from layers.ops import rope_cache
+from layers.shrink import lora_shrink
 
 if triton is not None:
     import triton.language as tl
@@ -141,7 +144,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_merge_kernel(part_ptr, ml_ptr, o_ptr, HQ, NC, sob, soh,
-                             D: tl.constexpr, CP: tl.constexpr):
+                             a_ptr, xa_ptr, xws_ptr, xcnt_ptr, R,
+                             D: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr = 0,
+                             HQP: tl.constexpr = 1):
         r = tl.program_id(0).to(tl.int64)  # one (sequence, query head) row a program
         c, d = tl.arange(0, CP), tl.arange(0, D)
         m = tl.load(ml_ptr + (r * NC + c) * 2, mask=c < NC, other=float("-inf"))           # (CP,)
@@ -153,7 +158,23 @@ if triton is not None:
                        mask=(c < NC)[:, None], other=0.0)
         den = tl.sum(w * lsum, 0)
         out = tl.sum(part * w[:, None], 0) / tl.where(den == 0.0, 1.0, den)                # (D,)
-        tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(o_ptr.dtype.element_ty))
+        dt = o_ptr.dtype.element_ty
+        tl.store(o_ptr + (r // HQ) * sob + (r % HQ) * soh + d, out.to(dt))
+        if RP > 0:  # o_proj's A product of the sequence: xa = o (HQ * D) @ A^T (R, HQ * D)^T
+            b, h, rr = r // HQ, r % HQ, tl.arange(0, RP)
+            # this head's D columns of A, times the output as stored (rounded to its dtype)
+            a = tl.load(a_ptr + rr[:, None] * (HQ * D) + h * D + d[None, :],
+                        mask=(rr < R)[:, None], other=0.0).to(tl.float32)                  # (RP, D)
+            tl.store(xws_ptr + r * RP + rr, tl.sum(a * out.to(dt).to(tl.float32)[None, :], 1))
+            tl.debug_barrier()
+            # the sequence's last head to finish adds all its heads' partials, in head order
+            if tl.atomic_add(xcnt_ptr + b, 1, sem="acq_rel") == HQ - 1:
+                hh = tl.arange(0, HQP)
+                parts = tl.load(xws_ptr + (b * HQ + hh[:, None]) * RP + rr[None, :],
+                                mask=(hh < HQ)[:, None], other=0.0,
+                                cache_modifier=".cg")                                    # (HQP, RP)
+                tl.store(xa_ptr + b * R + rr, tl.sum(parts, 0).to(dt), mask=rr < R)
+                tl.atomic_xchg(xcnt_ptr + b, 0, sem="relaxed")         # ready for the next launch
 
 
 # decode_attention's cap: the merge holds a row's partials in one warp's registers (32 x 128 fp32)
@@ -193,7 +214,8 @@ def rope_fusable(q, new) -> bool:
             and all(t.stride(-1) == 1 for t in (kn, vn, cos)))
 
 
-def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, new=None):
+def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, new=None,
+                     a_next=None):
     """decode_attention_ref with the Triton kernel (CUDA, and CPU under TRITON_INTERPRET=1), else
     the reference.
     config: dict(chunks=key chunks per (sequence, KV head) (more than one adds a merge launch),
@@ -203,7 +225,11 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
     q and k_new not rotated yet, k and v views of the caches: RoPE on q and k_new, k_new and v_new
     written to the caches at slots, then attention, in the one kernel (as ops.rope_cache followed by
     the attention; that where it cannot). The new token attends to no key after its slot (causal),
-    so the kernel reads the keys up to the slot only."""
+    so the kernel reads the keys up to the slot only.
+    a_next=A (R, HQ * D), R <= 128: also o_proj's LoRA A product of the output, xa = o @ A^T (B, R)
+    in q's dtype; returns (o, xa). Where the merge launch runs (several chunks: fewer (sequence, KV
+    head) pairs than SMs), that launch makes it: each head's program its partial, the sequence's
+    last one their sum in head order; else layers/shrink.lora_shrink after."""
     B, HQ, T, D = q.shape
     HK, S = k.shape[1], k.shape[2]
     if T != 1 or HQ % HK or valid.shape != (B, S):
@@ -218,7 +244,8 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
                        k, v, slots)
         valid, new = valid & (torch.arange(S, device=valid.device) <= slots[-1]), None
     if not ok:
-        return decode_attention_ref(q, k, v, valid, scale)
+        o = decode_attention_ref(q, k, v, valid, scale)
+        return o if a_next is None else (o, a_product(o, a_next))
     G = HQ // HK
     cfg = {**config_for(B * HK, S), **(config or {})}
     block = cfg["block"]
@@ -240,7 +267,23 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
         D=D, GP=max(16, triton.next_power_of_2(G)), BN=block, SPLIT=1 if nc == 1 else 2,
         F32=INTERPRET, ROPE=new is not None, num_warps=cfg["warps"], num_stages=cfg["stages"],
         enable_fp_fusion=new is None)
+    fused = a_next is not None and nc > 1 and a_next.shape[0] <= 128
     if nc > 1:
-        _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1), D=D,
-                                        CP=max(2, triton.next_power_of_2(nc)), num_warps=1)
-    return o
+        R = a_next.shape[0] if fused else 0
+        RP = max(16, triton.next_power_of_2(R)) if fused else 0
+        xa = torch.empty(B, R, dtype=q.dtype, device=q.device) if fused else o
+        a = a_next.to(q.dtype).contiguous() if fused else o
+        xws, xcnt = workspace(q.device, B * HQ * RP, B)
+        _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1),
+                                        a, xa, xws, xcnt, R, D=D,
+                                        CP=max(2, triton.next_power_of_2(nc)), RP=RP,
+                                        HQP=triton.next_power_of_2(HQ) if fused else 1,
+                                        num_warps=1)
+    if a_next is None:
+        return o
+    return o, xa if fused else a_product(o, a_next)
+
+
+def a_product(o, A):
+    """o (B, HQ, 1, D) @ A (R, HQ * D)^T -> (B, R) in o's dtype (layers/shrink.lora_shrink)."""
+    return lora_shrink(o.reshape(o.shape[0], -1), A.to(o.dtype))

@@ -86,10 +86,10 @@ class Linear(nn.Module):
         return layout.NVFP4Weight(self.words, self.scales, self.global_scale,
                                    self.out_features, self.in_features)
 
-    def forward(self, x):
-        # (..., in) -> (..., out)
+    def forward(self, x, xa=None):
+        # (..., in) -> (..., out); xa: the snapshot's A product, made by the launch before (next_a)
         x2 = x.reshape(-1, self.in_features)                                  # (M, in)
-        y = base_linear(self, x2, self.qweight() if self.words is not None else None)
+        y = base_linear(self, x2, self.qweight() if self.words is not None else None, xa=xa)
         if self.snap is None:
             y = lora_term([self], [self.out_features], x2, y, self.training)
         return y.view(*x.shape[:-1], -1)
@@ -226,6 +226,16 @@ def norm_for(mod, x, weight, eps: float, noise, residual):
     out = rms_norm(x, weight, eps, noise, residual)
     y, h = out if residual is not None else (out, None)
     return y, h, None
+
+
+def next_a(lin, x2):
+    """The A (R, in) of lin's generation snapshot where the launch before lin may make its A product
+    (shrink.ATTN: the decode attention, for o_proj): lin's snapshot rides in its GEMM's epilogue for
+    rows like x2 (M, any: device, dtype and count); else None."""
+    qw = lin.qweight() if lin.words is not None else None
+    if shrink.ATTN and lin.snap is not None and epilogue_path(qw, x2):
+        return lin.snap[0]
+    return None
 
 
 def mlp_act(mlp, x, n: int, xa=None):

@@ -19,6 +19,8 @@ NANOQERL_LORA_NORM=1 that norm computes them in its own launch (rms_norm_lora), 
 launch of their own. Each program takes a block of tokens and a block of A's rows: it sums the
 squares of its tokens' rows, then walks them again, normalizing, storing y (the first block of
 rows only) and multiplying it by its rows of A. Off by default, like the other, until measured.
+With NANOQERL_LORA_ATTN=1 the decode attention's merge launch makes o_proj's A product the same way
+(layers/attention.decode_attention(a_next=)), where that launch runs (batches below the SM count).
 """
 import os
 
@@ -38,6 +40,8 @@ STEPS_PER_PROGRAM = 4
 ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
 # the A products of q/k/v and gate/up inside the norm before them (layers/linear.norm_for)
 NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
+# o_proj's A product inside the decode attention's merge launch (layers/linear.next_a)
+ATTN = os.environ.get("NANOQERL_LORA_ATTN") == "1"
 # token rows and A rows a program of rms_norm_lora takes (tl.dot's smallest side)
 NORM_BM = NORM_BR = 16
 

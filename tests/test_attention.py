@@ -124,6 +124,47 @@ def test_decode_attention_with_rope_and_cache_write(B, HQ, HK, S, D, chunks, slo
     assert err <= tolerance(cache[1], DEV)
 
 
+@pytest.mark.parametrize("B,HQ,HK,S,D,chunks,R", [
+    (1, 4, 2, 130, 16, 3, 8),      # the merge launch makes it
+    (3, 7, 1, 70, 32, 2, 20),      # R not a power of two, several sequences
+    (2, 4, 2, 40, 16, 1, 8),       # one chunk: no merge launch, lora_shrink after
+] + ([(1, 28, 4, 700, 128, None, 32), (16, 28, 4, 600, 128, None, 32),
+      (64, 28, 4, 600, 128, None, 32)] if CUDA else []))
+def test_decode_attention_makes_o_projs_a_product(B, HQ, HK, S, D, chunks, R, monkeypatch):
+    """a_next=A: the output is the same as without it, bit for bit, and xa is o @ A^T of that output
+    (the reference: layers/shrink.lora_shrink_ref) up to fp32 summation order and one rounding to
+    bf16; the merge launch makes it where it runs (several chunks)."""
+    from layers.shrink import lora_shrink_ref
+
+    g = torch.Generator().manual_seed(S + R)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(DEV, torch.bfloat16)
+    kv = torch.randn(2, B, HK, S, D, generator=g).to(DEV, torch.bfloat16)
+    valid = torch.rand(B, S, generator=g).to(DEV) > 0.2
+    valid[:, -1] = True
+    a = (torch.randn(R, HQ * D, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    cfg = None if chunks is None else dict(chunks=chunks, block=32, warps=4, stages=2)
+    after = []  # calls of the separate A product (one chunk: no merge launch to make it)
+    real = A.a_product
+    monkeypatch.setattr(A, "a_product", lambda *x: after.append(1) or real(*x))
+    with torch.no_grad():
+        plain = A.decode_attention(q, kv[0], kv[1], valid, D ** -0.5, cfg)
+        o, xa = A.decode_attention(q, kv[0], kv[1], valid, D ** -0.5, cfg, a_next=a)
+    assert torch.equal(o, plain)
+    if chunks is not None:
+        assert len(after) == (chunks == 1)
+    want = lora_shrink_ref(o.reshape(B, -1), a)                                   # (B, R)
+    assert xa.shape == (B, R) and xa.dtype == torch.bfloat16
+    err = (xa.float() - want.float()).abs().max().item()
+    print(f"o_proj A product in the attention {DEV} B={B} HQ={HQ} R={R}: "
+          f"max |fused - ref| {err:.3g}")
+    # one bf16 rounding apart at most (the fp32 sums differ in order only)
+    assert err <= 2.0 ** -7 * want.float().abs().max().item() + 1e-3
+    # a second call: the per-sequence counters were left at zero for it
+    with torch.no_grad():
+        _, again = A.decode_attention(q, kv[0], kv[1], valid, D ** -0.5, cfg, a_next=a)
+    assert torch.equal(again, xa)
+
+
 def test_decode_attention_input_checks_and_fallback():
     q = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)

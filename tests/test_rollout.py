@@ -179,17 +179,24 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     m.lora_config = None
 
 
-@pytest.mark.parametrize("in_norm", [False, True])
+@pytest.mark.parametrize("in_norm,in_attn", [(False, False), (True, False), (True, True)])
 def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch,
-                                                            in_norm):
+                                                            in_norm, in_attn):
     """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU):
     generation adds the adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with
     torch ops. Greedy tokens must be argmaxes of the trainer's logits (up to near ties) and the
     engine's logprobs equal the trainer's log-softmax. in_norm: the A products of q/k/v and
-    gate/up made by the norms before them (NANOQERL_LORA_NORM=1, layers/shrink.rms_norm_lora)."""
-    from layers import shrink
+    gate/up made by the norms before them (NANOQERL_LORA_NORM=1, layers/shrink.rms_norm_lora).
+    in_attn: o_proj's made by the decode attention (NANOQERL_LORA_ATTN=1)."""
+    from layers import attention, shrink
     monkeypatch.setattr(kernels, "CPU_TRITON", True)
     monkeypatch.setattr(shrink, "NORM", in_norm)
+    monkeypatch.setattr(shrink, "ATTN", in_attn)
+    handed = []  # decode attention calls asked for o_proj's A product
+    real_attn = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention",
+                        lambda *a, **k: handed.append(k.get("a_next") is not None)
+                        or real_attn(*a, **k))
     normed = []
     real_norm = shrink.rms_norm_lora
     monkeypatch.setattr(shrink, "rms_norm_lora",
@@ -215,6 +222,8 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
     layers = len(m.model.layers)
     assert sorted(set(normed)) == ([8, 12] if in_norm else [])
     assert len(normed) == (2 * layers * 4 if in_norm else 0)
+    # with in_attn, every decode step's attention made o_proj's (the 3 steps after the prefill)
+    assert handed == [in_attn] * (layers * 3)
     for s in out:
         assert is_greedy(m, PROMPTS[s.prompt_idx], s.tokens, tol=0.1)
         ref = recompute_logprobs(m, PROMPTS[s.prompt_idx], s.tokens, 1.0).cpu()
