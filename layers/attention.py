@@ -273,7 +273,8 @@ def decode_attention(q, k, v, valid, scale: float, config: dict | None = None, n
         RP = max(16, triton.next_power_of_2(R)) if fused else 0
         xa = torch.empty(B, R, dtype=q.dtype, device=q.device) if fused else o
         a = a_next.to(q.dtype).contiguous() if fused else o
-        xws, xcnt = workspace(q.device, B * HQ * RP, B)
+        # each head's partial (fp32) and a counter per sequence (reset by its last program)
+        xws, xcnt = workspace(q.device, B * HQ * RP, B) if fused else (o, o)
         _decode_merge_kernel[(B * HQ,)](part, ml, o, HQ, nc, o.stride(0), o.stride(1),
                                         a, xa, xws, xcnt, R, D=D,
                                         CP=max(2, triton.next_power_of_2(nc)), RP=RP,
