@@ -54,7 +54,9 @@ RULE = ("Rule: each claim compares two arms on the same seeds (paired: same data
         "sampling draws). It is **supported** if the 95% t-interval of the mean per-seed "
         "difference a - b lies above 0, **refuted** if it lies below 0, **inconclusive** if it "
         "holds 0 or fewer than 2 seeds are paired. The exact sign-flip p-value is shown beside "
-        "it (with n seeds it cannot go below 2 / 2^n: 0.0625 at 5). Each claim's measure was "
+        "it (with n seeds it cannot go below 2 / 2^n: 0.0625 at 5), and the smallest difference "
+        "this many seeds detect with 80% probability at the measured spread (`detectable`: a true "
+        "effect that large would have shown 4 times in 5). Each claim's measure was "
         "fixed before any run: the entropy probe before any update for the first, the mean "
         "reward over all steps (the area under the reward curve) for the others.")
 
@@ -258,6 +260,12 @@ def _p(c) -> str:
     return "-" if c["p"] is None else f"{c['p']:.4g}"
 
 
+def _detect(c) -> str:
+    """The smallest detectable difference; results made before it was measured have none."""
+    d = c.get("detectable")
+    return "-" if d is None or not math.isfinite(d) else f"{d:.4f}"
+
+
 def _reached(r: dict) -> str:
     return f"{r['median']} ({r['reached']}/{r['of']})" if r["reached"] else f"- (0/{r['of']})"
 
@@ -287,12 +295,13 @@ def markdown(res: dict) -> str:
         L.append("")
     L += ["## Conclusions, as measured", "", RULE, "",
           "| claim | lr | a - b: measure | pairs | mean difference [95% CI] | sign-flip p | "
-          "verdict |", "|---" * 7 + "|"]
+          "detectable | verdict |", "|---" * 8 + "|"]
     L += [f"| {c['claim']} | {c['lr_text']} | {c['a']} - {c['b']}: {MEASURES[c['measure']]} | "
-          f"{c['n']} | {ci_text(c, 4)} | {_p(c)} | **{c['verdict']}** |" for c in res["claims"]]
+          f"{c['n']} | {ci_text(c, 4)} | {_p(c)} | {_detect(c)} | **{c['verdict']}** |"
+          for c in res["claims"]]
     if not res["claims"]:
         L.append("| (no claim has finished runs of both its arms yet, or both its arms in --arms) |"
-                 + " |" * 6)
+                 + " |" * 7)
     gain = res.get("gain") or {}
     gain_text = (f"R0 {gain['r0']:.3f}, R1 {gain['r1']:.3f} ({gain['arm']} at lr {gain['lr']:g})"
                  if gain else "-")
@@ -322,10 +331,13 @@ def markdown(res: dict) -> str:
         L.append(" | ".join(cells))
     L += writes_section(res)
     L += ["", "## Paired comparisons", "", "Mean per-seed difference a - b [95% t-interval], "
-          "sign-flip p, and what the rule above says of it.", "",
-          "| a - b | lr | measure | pairs | difference | p | verdict |", "|---" * 7 + "|"]
+          "sign-flip p, the smallest difference detectable with 80% probability, and what the "
+          "rule above says of it.", "",
+          "| a - b | lr | measure | pairs | difference | p | detectable | verdict |",
+          "|---" * 8 + "|"]
     L += [f"| {c['a']} - {c['b']} | {c['lr_text']} | {MEASURES[c['measure']]} | {c['n']} | "
-          f"{ci_text(c, 4)} | {_p(c)} | {c['verdict']} |" for c in res["comparisons"]]
+          f"{ci_text(c, 4)} | {_p(c)} | {_detect(c)} | {c['verdict']} |"
+          for c in res["comparisons"]]
     gm = res["gpu_minutes"]
     per_arm = ", ".join(f"{a} {m:.1f}" for a, m in gm["per_arm"].items())
     parts = ", ".join(f"{p} {m:.1f}" for p, m in gm.get("held_per_part", {}).items())

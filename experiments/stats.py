@@ -12,6 +12,9 @@ seeds, the paired test and the verdict rule. numpy and the standard library only
   whose mean is at least as far from 0 as the observed one: exact up to 20 seeds, 2^20 seeded
   random patterns beyond. With n seeds it cannot go below 2 / 2^n (0.0625 at 5 seeds), which is why
   the verdicts rest on the interval, not on the p-value.
+- `detectable`: the smallest true mean difference the paired t-test finds (its 95% interval
+  clear of 0) with 80% probability at this spread and number of seeds: (t(0.975, n-1) +
+  t(0.80, n-1)) * sd / sqrt(n), the usual normal-shift approximation of the noncentral t.
 - `verdict`: "supported" when the 95% interval of the paired mean difference lies above 0,
   "refuted" when it lies below 0, "inconclusive" when it holds 0 (or there are fewer than 2 pairs).
 The measures of the runs and the report are experiments/ablation_report.py's.
@@ -136,6 +139,14 @@ def sign_flip_p(diffs, seed: int = 0) -> float:
     return float((1 + hits) / (1 + len(signs)))  # the observed pattern counts as one draw
 
 
+def detectable(sd: float, n: int, power: float = 0.8, level: float = 0.95) -> float:
+    """The smallest mean difference a paired comparison of n seeds with this spread of per-seed
+    differences detects with probability `power` (two-sided, at `level`); nan below 2 seeds."""
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    return (t_ppf(0.5 + level / 2.0, n - 1) + t_ppf(power, n - 1)) * sd / math.sqrt(n)
+
+
 def verdict(lo: float, hi: float) -> str:
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "inconclusive"
@@ -145,7 +156,7 @@ def verdict(lo: float, hi: float) -> str:
 def paired(a: dict, b: dict) -> dict:
     """Compare arm a with arm b over the seeds both have ({seed: value}): the mean difference a - b
     with its 95% t-interval, the sign-flip p-value, its smallest possible value at this many pairs,
-    and the verdict."""
+    the smallest difference this design detects (`detectable`) and the verdict."""
     def ok(v):
         return v is not None and math.isfinite(v)
     seeds = sorted(s for s in set(a) & set(b) if ok(a[s]) and ok(b[s]))
@@ -153,7 +164,8 @@ def paired(a: dict, b: dict) -> dict:
     ci = mean_ci(diffs)
     min_p = 2.0 / 2 ** len(diffs) if 0 < len(diffs) <= EXACT_MAX else None
     return dict(seeds=seeds, diffs=diffs, n=ci["n"], mean=ci["mean"], lo=ci["lo"], hi=ci["hi"],
-                p=sign_flip_p(diffs), min_p=min_p, verdict=verdict(ci["lo"], ci["hi"]))
+                p=sign_flip_p(diffs), min_p=min_p, detectable=detectable(ci["sd"], ci["n"]),
+                verdict=verdict(ci["lo"], ci["hi"]))
 
 
 def first_reach(steps, values, threshold: float, window: int = 1):

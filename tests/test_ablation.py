@@ -86,6 +86,19 @@ def test_paired_comparison_and_verdicts():
     assert stats.paired({0: 1.0}, {0: 0.0})["verdict"] == "inconclusive"  # one pair: no interval
 
 
+def test_detectable_difference_gives_the_published_sample_sizes():
+    # G*Power's one-sample / paired t-test, two-sided alpha 0.05, power 0.80, effect size dz:
+    # dz 0.8 needs 15 pairs, 0.5 needs 34, 0.2 needs 199 (Cohen's medium and small effects)
+    def pairs_needed(dz):
+        return next(n for n in range(2, 1000) if stats.detectable(1.0, n) <= dz)
+    assert [pairs_needed(d) for d in (0.8, 0.5, 0.2)] == [15, 34, 199]
+    # it scales with the spread and needs two seeds
+    assert stats.detectable(0.5, 12) == pytest.approx(0.5 * stats.detectable(1.0, 12))
+    assert math.isnan(stats.detectable(1.0, 1))
+    assert stats.paired({0: 1.0, 1: 2.0, 2: 4.0}, {0: 0.0, 1: 0.0, 2: 0.0})["detectable"] == \
+        pytest.approx(stats.detectable(math.sqrt(7 / 3), 3))
+
+
 def test_run_measures_from_hand_made_rows():
     rows = [{"step": 0, "eval_accuracy": 0.0},
             {"step": 0, "reward": 0.2, "accuracy": 0.1, "entropy": 0.9, "mismatch_abs": 0.01,
