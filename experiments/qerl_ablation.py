@@ -441,7 +441,7 @@ def resolve(args, extra: list[str], exp: Path) -> tuple[dict, list]:
         if shutil.which(jobs.MPS_CONTROL) is None:
             raise Stop(f"--mps needs {jobs.MPS_CONTROL} (the NVIDIA driver's utilities) on PATH: "
                        "install them, or leave out --mps")
-    cfg = dict(out=str(exp), design=args.design or (saved or {}).get("design"), arms=arms,
+    cfg = dict(out=args.out, design=args.design or (saved or {}).get("design"), arms=arms,
                seeds=seeds, select_seeds=select_seeds, every_lr=every_lr, lrs=lrs, gpus=gpus,
                procs_per_gpu=args.procs_per_gpu, **v, restart_partial=args.restart_partial,
                train_flags=flags)
