@@ -256,7 +256,9 @@ def test_more_ranks_than_prompt_groups(tmp_path):
     rc, _, err = torchrun(tmp_path, ROOT / "train.py", "--out", str(out), "--prompts-per-step", "1",
                           "--device", "cpu")
     lines = error_lines(err)
-    assert rc != 0 and len(lines) == 2 and len(set(lines)) == 1, err
+    # each rank refuses before any process group, alone: on a loaded machine torchrun may stop the
+    # slower rank (its monitor looks every 2 s) before it has printed, so one line or two, alike
+    assert rc != 0 and len(lines) in (1, 2) and len(set(lines)) == 1, err
     assert ("torchrun started 2 ranks but --prompts-per-step is 1" in lines[0]
             and "--nproc_per_node 1" in lines[0])
     assert not out.exists()
