@@ -12,8 +12,8 @@ Measures, fixed before any run (README, "Does quantization noise help?"):
   first 5 and last 20 steps (at its own learning rate, over the verdict seeds); a run that never
   reaches it is counted apart;
 - held-out greedy accuracy at the end, and pass@1 / pass@k from the post-run samples after the
-  last step; the policy's entropy at every step (train.py's `entropy`) and before any update (the
-  probe);
+  last step; the policy's entropy at every step (train.py's `entropy`), its mean over the steps
+  (compared, no claim rests on it), and before any update (the probe);
 - collapse: a run whose training accuracy or format rate over its last 20 steps fell below half
   of its own over its first 5 steps (a fall, not a low level). Collapsed runs are counted per arm
   and shown apart; the paired comparisons keep them (a collapse is an outcome of the arm).
@@ -44,6 +44,7 @@ PAIRS = [(a, b) for _, a, b, _ in CLAIMS[1:]]
 MEASURES = {"entropy0": "entropy before any update (probe)",
             "reward_auc": "mean reward over all steps",
             "acc_auc": "mean sampled accuracy over all steps",
+            "entropy_auc": "mean entropy of the sampled tokens over all steps",
             "final_acc": "final held-out greedy accuracy",
             "pass1_final": "final held-out pass@1 (sampled)",
             "passk_final": "final held-out pass@k (largest k)"}
@@ -84,10 +85,11 @@ def run_measures(steps: int, rows: list[dict], evals: dict, post: dict, thr_gree
     ks = sorted(int(k[5:]) for k in final if k.startswith("pass@") and not k.endswith("ci95"))
     fell = [_mean(c[-TAIL:]) < 0.5 * _mean(c[:HEAD]) for c in (acc, fmt)]
     collapsed = any(fell)
-    return dict(steps=steps, reward=reward, accuracy=acc, entropy=col("entropy"), evals=evals,
+    entropy = col("entropy")
+    return dict(steps=steps, reward=reward, accuracy=acc, entropy=entropy, evals=evals,
                 entropy0=post.get("entropy_probe"), entropy0_noisy=post.get("entropy_probe_noisy"),
                 entropy0_trainer=train.get(0, {}).get("entropy"), reward_auc=_mean(reward),
-                acc_auc=_mean(acc), reward_head=_mean(reward[:HEAD]),
+                acc_auc=_mean(acc), entropy_auc=_mean(entropy), reward_head=_mean(reward[:HEAD]),
                 reward_tail=_mean(reward[-TAIL:]), collapsed=collapsed,
                 final_acc=evals.get(steps), pass1_final=final.get("pass@1"),
                 passk_final=final.get(f"pass@{ks[-1]}") if ks else None,
@@ -147,7 +149,7 @@ def aggregate(runs: dict, arms, lrs, seeds) -> dict:
             g = dict(arm=arm, lr=lr, seeds=done, planned=len(planned), gpu_minutes=gpu,
                      collapsed=[s for s, x in zip(done, ss) if x["collapsed"]])
             for k in ("entropy0", "entropy0_trainer", "entropy0_noisy", "reward_auc", "acc_auc",
-                      "final_acc", "pass1_final", "passk_final", "mismatch", "tis_capped"):
+                      "entropy_auc", "final_acc", "pass1_final", "passk_final", "mismatch", "tis_capped"):
                 g[k] = stats.mean_ci([x[k] for x in ss])
             g["gold_refused"] = stats.mean_ci([(x.get("writes") or {}).get("gold_refused")
                                                for x in ss])

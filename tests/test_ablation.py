@@ -113,6 +113,7 @@ def test_run_measures_from_hand_made_rows():
     m = rep.run_measures(3, rows, {0: 0.0, 3: 1.0}, post, thr_greedy=0.5, thr_sampled=0.35,
                          window=2)
     assert m["reward"] == [0.2, 0.4, 0.6] and m["reward_auc"] == pytest.approx(0.4)
+    assert m["entropy_auc"] == pytest.approx((0.9 + 0.8 + 0.7) / 3)
     assert (m["acc_auc"] == pytest.approx(0.3) and m["final_acc"] == 1.0
             and m["entropy0_trainer"] == 0.9)
     assert (m["entropy0"] == 1.25 and m["mismatch"] == pytest.approx(0.02)
