@@ -258,6 +258,42 @@ def figure(groups: dict, labels: dict, keys: dict, title: str) -> bytes:
     return buf.getvalue()
 
 
+def claims_figure(claims: list[dict]) -> bytes | None:
+    """A PNG of the reward claims: each one's mean paired difference with its 95% interval (a row
+    per claim and learning rate, a row once where two settings gave the same pairs), coloured by
+    verdict; the zero line is "no effect". None without a reward claim that has an interval."""
+    rows, seen = [], set()
+    for c in claims:
+        key = (c["a"], c["b"], tuple(c["diffs"]))
+        if c["measure"] != "reward_auc" or c["n"] < 2 or key in seen:
+            continue
+        seen.add(key)
+        rows.append(c)
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colour = {"supported": "C2", "refuted": "C3", "inconclusive": "C7"}
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.2))
+    for y, c in enumerate(reversed(rows)):
+        ax.errorbar([c["mean"]], [y], xerr=[[c["mean"] - c["lo"]], [c["hi"] - c["mean"]]],
+                    fmt="o", capsize=3, color=colour[c["verdict"]])
+    ax.set_yticks(range(len(rows)), [f"{c['a']} - {c['b']}, " + (
+        "own lrs" if c["lr_text"].startswith("own") else f"lr {c['lr_text']}")
+        for c in reversed(rows)], fontsize=8)
+    ax.axvline(0.0, color="k", linewidth=0.8)
+    ax.set(xlabel="a - b: mean reward over all steps, paired by seed (95% t-interval)",
+           title="the claims: green supported, red refuted, grey inconclusive")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def _p(c) -> str:
     return "-" if c["p"] is None else f"{c['p']:.4g}"
 

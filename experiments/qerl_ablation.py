@@ -370,6 +370,10 @@ def report(exp: Path, cfg: dict) -> dict:
     labels = {a: ARMS[a][0] for a in cfg["arms"]}
     for name, (keys, title) in figures.items():
         fsutil.atomic_write_bytes(exp / f"{name}.png", rep.figure(groups, labels, keys, title))
+    # the claims at a glance, once two seeds give them intervals
+    if (png := rep.claims_figure(claims)) is not None:
+        fsutil.atomic_write_bytes(exp / "fig_claims.png", png)
+        res["figures"].append("fig_claims")
     res = rep.clean(res)
     fsutil.atomic_write_text(exp / "selection.json", json.dumps(res["selection"], indent=1))
     fsutil.atomic_write_text(exp / "results.json", json.dumps(res, indent=1))
@@ -553,7 +557,7 @@ def main(argv=None) -> int:
     res = report(exp, cfg)
     for c in res["claims"]:
         print(f"{c['verdict']:>12}  {c['claim']} (lr {c['lr_text']}, {c['n']} seeds paired)")
-    print(f"wrote {exp / 'results.md'}, {exp / 'results.json'} and {len(cfg['lrs'])} figure(s); "
+    print(f"wrote {exp / 'results.md'}, {exp / 'results.json'} and {len(res['figures'])} figure(s); "
           f"{res['finished']} of {len(res['runs'])} runs finished")
     if args.pack:
         print(f"wrote {jobs.pack(exp, Path(args.pack), [Path(x) for x in args.pack_after])}")

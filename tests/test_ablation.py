@@ -99,6 +99,19 @@ def test_detectable_difference_gives_the_published_sample_sizes():
         pytest.approx(stats.detectable(math.sqrt(7 / 3), 3))
 
 
+def test_claims_figure_draws_only_reward_claims_with_intervals():
+    def claim(measure, diffs, lr_text="own (a 0.1, b 0.1)"):
+        return dict(claim="x", a="a", b="b", lr_text=lr_text, measure=measure, diffs=diffs,
+                    **{k: v for k, v in stats.paired(dict(enumerate(diffs)),
+                                                     {i: 0.0 for i in range(len(diffs))}).items()
+                       if k != "diffs"})
+    # the entropy claim and a one-seed claim have nothing to draw
+    assert rep.claims_figure([claim("entropy0", [0.1, 0.2]), claim("reward_auc", [0.1])]) is None
+    png = rep.claims_figure([claim("reward_auc", [0.1, -0.2, 0.3]),
+                             claim("reward_auc", [0.1, -0.2, 0.3], lr_text="0.1")])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_run_measures_from_hand_made_rows():
     rows = [{"step": 0, "eval_accuracy": 0.0},
             {"step": 0, "reward": 0.2, "accuracy": 0.1, "entropy": 0.9, "mismatch_abs": 0.01,
