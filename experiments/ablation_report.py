@@ -149,7 +149,8 @@ def aggregate(runs: dict, arms, lrs, seeds) -> dict:
             g = dict(arm=arm, lr=lr, seeds=done, planned=len(planned), gpu_minutes=gpu,
                      collapsed=[s for s, x in zip(done, ss) if x["collapsed"]])
             for k in ("entropy0", "entropy0_trainer", "entropy0_noisy", "reward_auc", "acc_auc",
-                      "entropy_auc", "final_acc", "pass1_final", "passk_final", "mismatch", "tis_capped"):
+                      "entropy_auc", "final_acc", "pass1_final", "passk_final", "mismatch",
+                      "tis_capped"):
                 g[k] = stats.mean_ci([x[k] for x in ss])
             g["gold_refused"] = stats.mean_ci([(x.get("writes") or {}).get("gold_refused")
                                                for x in ss])
