@@ -31,9 +31,9 @@ A rerun skips finished runs, resumes a partial one from its last checkpoint (or 
 --finish-by (a machine's time is limited), and names each failed run with its error while the others
 go on (experiments/ablation_jobs.py runs them). One scheduler per folder (a lock); --mps lets the
 runs sharing a GPU run their kernels side by side. The report (results.json, results.md,
-fig_lr<lr>.png, fig_own_lr.png, fig_claims.png, selection.json) reads only the run folders, so --report-only redoes it alone; --pack
-writes what a machine brings back (also while the runs go, at most once a minute). GPU time: each
-attempt's wall time x its GPU share, per arm and per --part.
+fig_lr<lr>.png, fig_own_lr.png, fig_claims.png, selection.json) reads only the run folders, so
+--report-only redoes it alone; --pack writes what a machine brings back (also while the runs go, at
+most once a minute). GPU time: each attempt's wall time x its GPU share, per arm and per --part.
 Leaves out: several nodes, queueing systems, vLLM for the post-run evaluations.
 """
 if __name__ == "__main__":
@@ -557,8 +557,8 @@ def main(argv=None) -> int:
     res = report(exp, cfg)
     for c in res["claims"]:
         print(f"{c['verdict']:>12}  {c['claim']} (lr {c['lr_text']}, {c['n']} seeds paired)")
-    print(f"wrote {exp / 'results.md'}, {exp / 'results.json'} and {len(res['figures'])} figure(s); "
-          f"{res['finished']} of {len(res['runs'])} runs finished")
+    print(f"wrote {exp / 'results.md'}, {exp / 'results.json'} and {len(res['figures'])} "
+          f"figure(s); {res['finished']} of {len(res['runs'])} runs finished")
     if args.pack:
         print(f"wrote {jobs.pack(exp, Path(args.pack), [Path(x) for x in args.pack_after])}")
     for name, err in failed.items():
