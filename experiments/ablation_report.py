@@ -252,11 +252,7 @@ def figure(groups: dict, labels: dict, keys: dict, title: str) -> bytes:
     if axes.flat[0].get_legend_handles_labels()[0]:  # no finished run yet: no legend
         axes.flat[0].legend(fontsize=7)
     fig.suptitle(f"{title}: mean over seeds; bands and bars: 95% t-interval")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return _png(fig)
 
 
 def claims_figure(claims: list[dict]) -> bytes | None:
@@ -288,6 +284,13 @@ def claims_figure(claims: list[dict]) -> bytes | None:
     ax.set(xlabel="a - b: mean reward over all steps, paired by seed (95% t-interval)",
            title="the claims: green supported, red refuted, grey inconclusive")
     ax.grid(alpha=0.3, axis="x")
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    """The figure as PNG bytes (laid out, 80 dpi), closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
