@@ -16,9 +16,12 @@ otherwise, as before).
 
 The A products of q/k/v and of gate/up read the output of the RMSNorm just before them: with
 NANOQERL_LORA_NORM=1 that norm computes them in its own launch (rms_norm_lora), so those two take no
-launch of their own. Each program takes a block of tokens and a block of A's rows: it sums the
-squares of its tokens' rows, then walks them again, normalizing, storing y (the first block of
-rows only) and multiplying it by its rows of A. Off by default, like the other, until measured.
+launch of their own. Each program takes a block of tokens and a range of columns: it sums the
+squares of its tokens' whole rows, then normalizes its own columns, stores them, and multiplies
+them by the same columns of A; the partial products meet as in lora_shrink. (A first version gave
+each program a block of A's rows and the whole row to walk: 6 programs for q/k/v at batch 1, and
+the decode step 1.75 ms slower, experiments/results/rollout-lora-h100/lora-paths-1.log.) Off by
+default, like the other, until measured.
 With NANOQERL_LORA_ATTN=1 the decode attention's merge launch makes o_proj's A product the same way
 (layers/attention.decode_attention(a_next=)), where that launch runs (batches below the SM count).
 """
@@ -42,8 +45,10 @@ ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
 NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
 # o_proj's A product inside the decode attention's merge launch (layers/linear.next_a)
 ATTN = os.environ.get("NANOQERL_LORA_ATTN") == "1"
-# token rows and A rows a program of rms_norm_lora takes (tl.dot's smallest side)
-NORM_BM = NORM_BR = 16
+# token rows a program of rms_norm_lora takes (tl.dot's smallest side), and its most K steps: each
+# program reads its token rows whole for their sum of squares, so it takes fewer, longer ranges
+NORM_BM = 16
+NORM_STEPS = 2
 
 
 def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -145,15 +150,18 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _norm_lora_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, a_ptr, xa_ptr, M, H, R, eps,
+    def _norm_lora_kernel(x_ptr, r_ptr, w_ptr, z_ptr, y_ptr, h_ptr, a_ptr, xa_ptr, ws_ptr, cnt_ptr,
+                          M, H, R, eps, STEPS: tl.constexpr, SPLIT: tl.constexpr,
                           HAS_RES: tl.constexpr, HAS_NOISE: tl.constexpr, BM: tl.constexpr,
                           BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
-        pid_m, pid_r = tl.program_id(0), tl.program_id(1)
+        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
         m = pid_m * BM + tl.arange(0, BM)                                  # tokens
-        rr = pid_r * BR + tl.arange(0, BR)                                 # rows of A
+        r = tl.arange(0, BR)                                               # rows of A
         kk = tl.arange(0, BK)
         row = m[:, None].to(tl.int64) * H                                  # (BM, 1)
-        # pass 1: each token's sum of squares of h = x (+ residual, rounded as ops.rms_norm does)
+        # pass 1, over the whole row: each token's sum of squares of h = x (+ residual, rounded
+        # as ops.rms_norm does). Every program of the token block repeats it: the rows are a few
+        # KB and come from L2, where waiting for another program's sum would take a launch.
         ss = tl.zeros((BM,), dtype=tl.float32)
         for k0 in range(0, H, BK):
             k = k0 + kk
@@ -161,37 +169,54 @@ if triton is not None:
             hf = _residual_tile(x_ptr, r_ptr, row + k[None, :], inb, HAS_RES).to(tl.float32)
             ss += tl.sum(hf * hf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / H + eps)                                 # (BM,)
-        # pass 2: y = (w + z) * round(h * rstd), stored by the first block of A's rows; xa += y A^T
+        # pass 2, over this program's columns only: store h and y = (w + z) * round(h * rstd)
+        # there, and add their share of xa = y A^T
         acc = tl.zeros((BM, BR), dtype=tl.float32)
-        first = pid_r == 0
-        for k0 in range(0, H, BK):
-            k = k0 + kk
+        for s in range(0, STEPS):
+            k = (pid_k * STEPS + s) * BK + kk                              # (BK,) columns
             inb = (m[:, None] < M) & (k[None, :] < H)
             h = _residual_tile(x_ptr, r_ptr, row + k[None, :], inb, HAS_RES)
             if HAS_RES:
-                tl.store(h_ptr + row + k[None, :], h, mask=inb & first)
+                tl.store(h_ptr + row + k[None, :], h, mask=inb)
             w = tl.load(w_ptr + k, mask=k < H, other=0.0).to(tl.float32)
             if HAS_NOISE:
                 # weight + noise stays fp32, as in ops.rms_norm
                 w += tl.load(z_ptr + k, mask=k < H, other=0.0).to(tl.float32)
             hn = (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
             y = (w[None, :] * hn).to(y_ptr.dtype.element_ty)              # (BM, BK)
-            tl.store(y_ptr + row + k[None, :], y, mask=inb & first)
-            a = tl.load(a_ptr + rr[:, None] * H + k[None, :],
-                        mask=(rr[:, None] < R) & (k[None, :] < H), other=0.0)   # (BR, BK)
+            tl.store(y_ptr + row + k[None, :], y, mask=inb)
+            a = tl.load(a_ptr + r[:, None] * H + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < H), other=0.0)    # (BR, BK)
             if ON_CPU:  # the interpreter multiplies bf16 operands wrongly; fp32 holds them
                 acc = tl.dot(y.to(tl.float32), tl.trans(a).to(tl.float32), acc)
             else:
                 acc = tl.dot(y, tl.trans(a), acc)                          # (BM, BR) fp32
-        tl.store(xa_ptr + m[:, None] * R + rr[None, :], acc.to(xa_ptr.dtype.element_ty),
-                 mask=(m[:, None] < M) & (rr[None, :] < R))
+        out = xa_ptr + m[:, None] * R + r[None, :]                         # (BM, BR) of (M, R)
+        out_mask = (m[:, None] < M) & (r[None, :] < R)
+        if SPLIT > 1:
+            # lora_shrink's fix-up: park the partial sum; the token block's last program adds
+            # them all in program order (the same bits whichever program ends last)
+            mp = tl.num_programs(0) * BM                                   # padded token count
+            tl.store(ws_ptr + (pid_k * mp + m[:, None]) * BR + r[None, :], acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                acc = tl.zeros((BM, BR), dtype=tl.float32)
+                for p in range(0, SPLIT):
+                    acc += tl.load(ws_ptr + (p * mp + m[:, None]) * BR + r[None, :],
+                                   cache_modifier=".cg")
+                tl.store(out, acc.to(xa_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + pid_m, 0, sem="relaxed")      # ready for the next launch
+        else:
+            tl.store(out, acc.to(xa_ptr.dtype.element_ty), mask=out_mask)
 
 
 def rms_norm_lora(x, weight, eps: float, noise, residual, A):
     """ops.rms_norm (residual add, AQN noise) and the product of its output with A (R, H) in one
     launch, for generation (no gradient): returns (y (..., H), h (..., H) or None without
-    residual, xa (M, R) in x's dtype). Where the kernel does not run (a gradient, no Triton,
-    R > 128, not bf16 / fp16): the two steps apart, ops.rms_norm then a_product."""
+    residual, xa (M, R) in x's dtype). The columns are split over programs as in lora_shrink, each
+    program normalizing its own; where the kernel does not run (a gradient, no Triton, R > 128,
+    not bf16 / fp16): the two steps apart, ops.rms_norm then a_product."""
     H = x.shape[-1]
     R = A.shape[0]
     half = x.dtype in (torch.bfloat16, torch.float16)
@@ -207,8 +232,14 @@ def rms_norm_lora(x, weight, eps: float, noise, residual, A):
     xa = torch.empty(M, R, device=x.device, dtype=x.dtype)
     z = noise.contiguous() if noise is not None else weight
     A = A.to(x.dtype).contiguous()
-    grid = (triton.cdiv(M, NORM_BM), triton.cdiv(R, NORM_BR))
-    _norm_lora_kernel[grid](x2, r2, weight, z, y, h, A, xa, M, H, R, eps,
-                            HAS_RES=residual is not None, HAS_NOISE=noise is not None,
-                            BM=NORM_BM, BR=NORM_BR, BK=BK, ON_CPU=not x.is_cuda)
+    BM, BR = NORM_BM, _block(R)
+    tiles = triton.cdiv(H, BK)
+    split = triton.cdiv(tiles, NORM_STEPS)
+    steps = triton.cdiv(tiles, split)
+    grid = (triton.cdiv(M, BM), split)
+    ws, cnt = workspace(x.device, split * grid[0] * BM * BR if split > 1 else 0, grid[0])
+    _norm_lora_kernel[grid](x2, r2, weight, z, y, h, A, xa, ws, cnt, M, H, R, eps, STEPS=steps,
+                            SPLIT=split, HAS_RES=residual is not None,
+                            HAS_NOISE=noise is not None, BM=BM, BR=BR, BK=BK,
+                            ON_CPU=not x.is_cuda)
     return (y.reshape(x.shape), h.reshape(x.shape) if residual is not None else None, xa)

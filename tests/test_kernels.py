@@ -776,11 +776,13 @@ def test_a_product_is_cublas_unless_switched_on(monkeypatch):
 @pytest.mark.parametrize("M, H, R, res, noise", [(1, 256, 96, True, False),
                                                  (5, 200, 40, True, True),
                                                  (20, 384, 16, False, False),
-                                                 (33, 136, 64, True, True)])
+                                                 (33, 136, 64, True, True),
+                                                 (2, 640, 128, True, False)])
 def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
     """The RMSNorm with the next group's A product in its launch against ops.rms_norm_ref and fp32
-    math: tokens over 1-3 blocks, A's rows over 1-6 blocks (ragged at R = 40), H not a multiple
-    of the 128-column step, with and without the residual add and AQN noise. y and h: the sum of
+    math: tokens over 1-3 blocks, the columns over 1-3 programs (H = 640: 5 steps of 128, the
+    last program's range ragged; H = 200 and 136 not a multiple of the step), A's rows padded to
+    the block (R = 40 -> 64), with and without the residual add and AQN noise. y and h: the sum of
     squares in another order moves rstd in its last bits, which can move a bf16 rounding by one
     ulp; the CPU interpreter truncates its bf16 casts (4 ulps there, as test_rms_norm_forward
     says). xa: fp32 sums in another order, then one bf16 rounding (2 ulps, as lora_shrink's)."""
@@ -807,6 +809,11 @@ def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
     # and the reference's within what those few ulps of y move it (as a whole: an element near 0
     # has no relative tolerance)
     assert (xa.float() - xa0.float()).norm() <= 2 ** -6 * xa0.float().norm()
+    # twice the same bits (the partial products added in program order), counters back at 0
+    with torch.no_grad():
+        again = shrink.rms_norm_lora(x, w, 1e-6, z, r, A)
+    assert all(torch.equal(a, b) for a, b in zip(again, (y, h, xa)) if a is not None)
+    assert int(layout._WS[x.device][1].sum()) == 0
 
 
 def test_the_lora_path_benchmark_costs_each_round_against_its_own_adapters_off_run():
