@@ -108,9 +108,10 @@ def main(argv=None):
     ap.add_argument("--no-grad-checkpoint", action="store_true",
                     help="with train: keep every layer's activations "
                          "instead of recomputing them in backward")
-    ap.add_argument("--old-logp", default="pass", choices=["pass", "reuse", "both"],
-                    help="with train: train.py's --old-logp for the train half; both: the pass, "
-                         "then reuse, on the same rollout batch (train_s and train_s_reuse)")
+    ap.add_argument("--old-logp", default="reuse", choices=["pass", "reuse", "both"],
+                    help="with train: train.py's --old-logp for the train half (reuse: its "
+                         "default with one epoch); both: the pass, then reuse, on the same "
+                         "rollout batch (train_s and train_s_reuse)")
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="with profile / rollout: LoRA of this rank on every linear "
                          "(random nonzero B)")

@@ -205,7 +205,7 @@ def test_reusing_the_first_minibatchs_forward_as_pi_old_changes_nothing_but_the_
     monkeypatch.setattr(train.ppo, "policy_logprobs", counted)
     # the CPU path (fp32) on any machine: equal math is what this checks, not bf16 rounding
     args = ("--steps", "2", "--no-aqn", "--save-every", "2", "--device", "cpu")
-    a, rows_a, out_a = run(tmp_path, "pass", *args)
+    a, rows_a, out_a = run(tmp_path, "pass", *args, "--old-logp", "pass")
     pass_calls, calls[:] = list(calls), []
     b, rows_b, out_b = run(tmp_path, "reuse", *args, "--old-logp", "reuse")
     assert a == b == 0
@@ -234,6 +234,20 @@ def test_reusing_pi_old_needs_one_epoch(tmp_path, capsys):
     assert rc != 0
     err = capsys.readouterr().err
     assert "--old-logp reuse needs --epochs 1" in err and "\n" not in err.strip()
+
+
+@pytest.mark.parametrize("flags, want", [((), "reuse"), (("--epochs", "2"), "pass"),
+                                         (("--old-logp", "pass"), "pass")])
+def test_old_logp_default_reuses_where_one_epoch_allows(flags, want):
+    # left out, --old-logp is reuse with one epoch (the pass it saves: 8-12% of the 7B train
+    # half, bench train --old-logp both) and pass with more, where reuse is refused; the saved
+    # config holds the choice, and --help says it instead of "(default: None)"
+    from trainer import config as tc
+    cfg = tc.apply_model_defaults(tc.parse_args(list(flags))[0])
+    assert cfg.old_logp == want
+    tc.check_config(cfg)
+    text = tc.build_parser().format_help()
+    assert "default: None" not in text and "default: reuse with --epochs 1" in text
 
 
 # ------------------------------------------------------------------------ gradient checkpointing

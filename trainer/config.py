@@ -78,11 +78,12 @@ class Config:
     lora_alpha: float = opt(None, "LoRA alpha; scale = alpha / rank (default: the model's)")
     epochs: int = opt(1, "passes over each rollout batch")
     minibatches: int = opt(2, "optimizer steps per pass (> 1 makes the PPO clip matter)")
-    old_logp: str = opt("pass", "pi_old of the first minibatch: 'pass' (the no-grad forward over "
-                                "the whole batch before any update gives every row's) or 'reuse' "
-                                "(that minibatch's own training forward, detached: no update has "
-                                "happened yet, so it is pi_old, and its rows skip the pass; "
-                                "needs --epochs 1)")
+    old_logp: str = opt("reuse", "pi_old of the first minibatch: 'reuse' (that minibatch's own "
+                                 "training forward, detached: no update has happened yet, so it "
+                                 "is pi_old, and its rows skip the no-grad pass; needs --epochs "
+                                 "1) or 'pass' (the no-grad forward over the whole batch before "
+                                 "any update gives every row's) (default: reuse with --epochs 1, "
+                                 "else pass)")
     micro_batch: int = opt(16, "sequences per forward/backward (accumulated inside a "
                                "minibatch)")
     std_normalize: bool = opt(None, "divide advantages by the group std (GRPO, DAPO) or not "
@@ -129,7 +130,7 @@ class Config:
 
 # Flags whose command-line default is None, to be the model's (apply_model_defaults), while a
 # Config built in code keeps its dataclass default.
-CLI_NONE = ("fmt",)
+CLI_NONE = ("fmt", "old_logp")
 # Flags that may change when a run is resumed; any other flag given with --resume is refused.
 RESUMABLE = ("steps", "eval_every", "save_every", "tensorboard", "wandb", "device")
 # The types of the flags whose default is None (the parser cannot read those from the default).
@@ -149,12 +150,27 @@ class Stop(Exception):
         self.code = code
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default. A None default is someone else's: the --algo
+    preset's (said here) or the model's (said in the flag's own help); "(default: None)" would
+    hide it."""
+
+    def _get_help_string(self, action):
+        if action.default is not None:
+            return super()._get_help_string(action)
+        name = action.dest
+        if name in grpo.PRESETS["dapo"] and "default" not in action.help:
+            values = ", ".join(f"{a} {p[name]}" for a, p in grpo.PRESETS.items())
+            return f"{action.help} (default: the --algo preset's: {values})"
+        return action.help
+
+
 def build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     """The CLI. suppress=True leaves unset flags out of the result (to see which ones were
     given)."""
     ap = argparse.ArgumentParser(description="RL (GRPO / DAPO / Dr.GRPO) on an NVFP4 base with "
                                              "LoRA and AQN.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 formatter_class=HelpFormatter,
                                  argument_default=argparse.SUPPRESS if suppress else None)
     # the booleans whose default is None (the preset's): --x / --no-x like the other booleans
     tristate = ("std_normalize", "dynamic_sampling", "mask_truncated", "grad_checkpoint")
@@ -222,6 +238,10 @@ def apply_model_defaults(cfg: Config) -> Config:
     for name, value in defaults.items():
         if getattr(cfg, name) is None:
             setattr(cfg, name, value)
+    if cfg.old_logp is None:
+        # the first minibatch's training forward is pi_old only before any update: one epoch.
+        # It saves that minibatch's share of the no-grad pass (7B: bench train --old-logp both)
+        cfg.old_logp = "reuse" if cfg.epochs == 1 else "pass"
     return cfg
 
 
