@@ -150,7 +150,7 @@ def bench_hf_generate(size, batches, new_tokens, prompt):
 
 def bench_rl_step(out: dict, size: str = "7b", prompts: int = 8, group: int = 8,
                   prompt_len: int = 256, new_tokens: int = 512, recompute: bool = True,
-                  old_logps=("pass",)):
+                  old_logps=("reuse",)):
     """One RL step at fixed lengths (EOS ignored, random rewards): rollout, trainer log-probs, 2
     minibatch updates (the train half once for each --old-logp mode in old_logps)."""
     rows = []
@@ -190,7 +190,11 @@ def rl_batch(eng, P, group, new_tokens, seed):
                           torch.device("cuda"))
 
 
-def train_half(m, opt_, b, old_logp: str = "pass"):
+# optimizer steps of the benchmark's train half (the dapo preset's two minibatches)
+MINIBATCHES = 2
+
+
+def train_half(m, opt_, b, old_logp: str = "reuse"):
     """The trainer's share of an RL step as train.py runs it: pi_old (ppo.batch_logprobs), then 2
     minibatch updates in micro-batches of 8 (ppo.ppo_update, the dapo preset). old_logp: train.py's
     --old-logp (reuse: the first minibatch's pi_old is its own training forward)."""
@@ -199,7 +203,7 @@ def train_half(m, opt_, b, old_logp: str = "pass"):
     from trainer.config import Config
 
     S = b["ids"].shape[0]
-    cfg = Config(steps=1, minibatches=2, micro_batch=8, lr=1e-5, old_logp=old_logp,
+    cfg = Config(steps=1, minibatches=MINIBATCHES, micro_batch=8, lr=1e-5, old_logp=old_logp,
                  max_new_tokens=b["mask"].shape[1])
     skip = ppo.shuffled_minibatches(cfg, S, 0)[0] if old_logp == "reuse" else None
     b["old_logp"] = ppo.batch_logprobs(m, b, 1.0, 8, entropy=False, skip=skip)[0]     # (S, T)
@@ -211,14 +215,16 @@ def train_half(m, opt_, b, old_logp: str = "pass"):
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12}
 
 
-def train_flops(c, S: int, L: int, T: int) -> dict:
+def train_flops(c, S: int, L: int, T: int, pi_old_share: float = 1.0) -> dict:
     """The matrix work of the train half for S sequences of L tokens, the last T scored, on model
     config c (model.Config): one forward F = linears 2 x params x tokens + causal attention
     (QK^T and PV over the lower triangle) + the LM head over the T scored tokens. The work it must
     do: pi_old (a forward, no gradient), the training forward, and its backward, which for a frozen
     base needs only dX: one forward's work for the linears and the head, two for attention (dQ,
     and dK with dV); the LoRA's own products are left out (under 1% at rank 32). Recomputation
-    (gradient checkpointing) is extra: another forward of everything but the head."""
+    (gradient checkpointing) is extra: another forward of everything but the head.
+    pi_old_share: the share of the rows whose pi_old needs its own forward (--old-logp reuse: all
+    but the first minibatch's)."""
     q = c.num_heads * c.head_dim
     kv = c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size \
@@ -227,11 +233,12 @@ def train_flops(c, S: int, L: int, T: int) -> dict:
     attn = c.num_layers * 2 * S * L * L * q          # 2 products x 2 FLOP x L^2 / 2 x q
     head = 2 * c.hidden_size * c.vocab_size * S * T
     fwd = lin + attn + head
-    return dict(forward=fwd, needed=fwd + fwd + (lin + 2 * attn + head), recompute=lin + attn)
+    return dict(forward=fwd, needed=pi_old_share * fwd + fwd + (lin + 2 * attn + head),
+                recompute=lin + attn)
 
 
 def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
-                old_logps=("pass",)) -> dict:
+                old_logps=("reuse",)) -> dict:
     """The second of two RL steps (the first compiles and captures): rollout, then the train half
     once for each --old-logp mode of old_logps, on the same batch, timed one after the other."""
     m, opt_, eng, P = rl_setup(size, base, prompts, group, prompt_len, new_tokens, recompute)
@@ -254,11 +261,15 @@ def rl_step_one(size, base, prompts, group, prompt_len, new_tokens, recompute,
                peak_GB=torch.cuda.max_memory_allocated() / 1e9)
     for mode in old_logps[1:]:
         row[f"train_s_{mode}"] = train_s[mode]
-    # the train half against the bf16 tensor-core limit of the work it must do (train_flops)
-    work = train_flops(m.cfg, prompts * group, prompt_len + new_tokens, new_tokens)
+    # the train half against the bf16 tensor-core limit of the work each mode must do
+    # (train_flops): reuse skips the first minibatch's rows in the pi_old forward
     peak = next((v for k, v in BF16_PEAK.items() if k in torch.cuda.get_device_name()), None)
-    row["train_tflop"] = work["needed"] / 1e12
-    if peak:
-        row["train_limit_s"] = work["needed"] / peak
-        row["train_of_limit"] = row["train_limit_s"] / first
+    for i, mode in enumerate(old_logps):
+        share = 1 - 1 / MINIBATCHES if mode == "reuse" else 1.0
+        work = train_flops(m.cfg, prompts * group, prompt_len + new_tokens, new_tokens, share)
+        tail = "" if i == 0 else f"_{mode}"
+        row["train_tflop" + tail] = work["needed"] / 1e12
+        if peak:
+            row["train_limit_s" + tail] = work["needed"] / peak
+            row["train_of_limit" + tail] = row["train_limit_s" + tail] / train_s[mode]
     return row

@@ -321,3 +321,6 @@ def test_the_train_halfs_matrix_work_counts_every_weight(make_checkpoint):
     # pi_old + the training forward + a backward of dX only (the linears and the head once,
     # attention twice)
     assert w["needed"] == pytest.approx(3 * fwd + attn, rel=0.03)
+    # --old-logp reuse with 2 minibatches: pi_old's forward over half the rows
+    half = train_flops(c, S, L, T, pi_old_share=0.5)
+    assert half["needed"] == pytest.approx(2.5 * fwd + attn, rel=0.03)
