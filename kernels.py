@@ -36,9 +36,9 @@ ws_config says it wins; else the kernel below.
 
 Other GPUs (Ampere, Ada, Blackwell) run the same Triton kernels on the portable path (see hopper);
 Hopper alone runs gemm/warp_specialized.py and the PTX with sm_90's bf16x2 multiply.
-Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM, non-Hopper tuning,
-and the designs measured and dropped in docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV,
-wider K-sliced tiles).
+Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM (gemm/ks_lora.py
+has it at 1-8 tokens, opt-in), non-Hopper tuning, and the designs measured and dropped in
+docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
 if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
     from util import versions  # checked before torch loads: a missing or wrong one is one line
@@ -222,8 +222,8 @@ if triton is not None:
             r = tl.arange(0, RP)
             bt = tl.load(lb_ptr + n[:, None] * R + r[None, :],
                          mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-            xa = tl.load(xa_ptr + m[None, :] * R + r[:, None],
-                         mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)
+            xa = tl.load(xa_ptr + m[None, :] * R + r[:, None], cache_modifier=".cg",
+                         mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)   # (L2: gemm/ks_lora)
             acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
@@ -300,19 +300,14 @@ if triton is not None:
                    HAS_BIAS, RP, USE_ASM, GATED, I)
 
     @triton.jit
-    def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr,
-                            M, N, NP, K, KT, stride_xm, stride_ym, R,
-                            BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
-                            GATED: tl.constexpr = False, UP=0, I=0):
+    def _ks_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, stride_xm,
+                BN: tl.constexpr, KS: tl.constexpr, USE_ASM: tl.constexpr):
         # K split inside the program: slice s takes K tiles s, s + KS, s + 2 KS, ... as the batch
         # index of a 3-D dot (Triton runs it on mma.sync with one warp per slice); the slices are
-        # summed once at the end, so no workspace, counter or second pass over partial sums
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        n = _rows(pid_n, BN, UP, GATED)                                      # rows of W
-        m = pid_m * BM + tl.arange(0, BM)                                    # tokens
+        # summed once at the end, so no workspace, counter or second pass over partial sums.
+        # Returns the tile of rows n and tokens m, scaled: (BN, BM) fp32
         ks, kk = tl.arange(0, KS), tl.arange(0, 128)
-        acc = tl.zeros((KS, BN, BM), dtype=tl.float32)
+        acc = tl.zeros((KS, BN, m.shape[0]), dtype=tl.float32)
         for i in range(0, tl.cdiv(KT, KS)):
             t = i * KS + ks                                                  # (KS,) K tiles
             live = (t < KT)[:, None, None]
@@ -328,7 +323,19 @@ if triton is not None:
             xt = tl.load(x_ptr + m[None, None, :] * stride_xm + k,
                          mask=(m[None, None, :] < M) & (k < K), other=0.0)
             acc = _dot(tl.reshape(wt, (KS, BN, 128)), xt, acc, USE_ASM)      # (KS, BN, BM) fp32
-        acc = tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))  # (BN, BM)
+        return tl.sum(acc, 0) * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+
+    @triton.jit
+    def _nvfp4_mm_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr,
+                            M, N, NP, K, KT, stride_xm, stride_ym, R,
+                            BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
+                            GATED: tl.constexpr = False, UP=0, I=0):
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        n = _rows(pid_n, BN, UP, GATED)                                      # rows of W
+        m = pid_m * BM + tl.arange(0, BM)                                    # tokens
+        acc = _ks_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, stride_xm, BN, KS,
+                      USE_ASM)                                               # (BN, BM)
         _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
                HAS_BIAS, RP, USE_ASM, GATED, I)
 

@@ -121,6 +121,10 @@ def main(argv=None):
                          "norm-fused ones, also o_proj's in the attention), in turn, --rounds "
                          "times; prints each path's median cost against the adapters off "
                          "(bench/lora_speed.rollout_paths)")
+    ap.add_argument("--paths", default=None,
+                    help="with rollout --lora-paths: the paths to time, comma-separated (off is "
+                         "always timed: every cost is against it); default: all of "
+                         "bench/lora_speed.PATHS")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with rollout --lora-paths: rounds of every path (medians over them)")
     ap.add_argument("--bases", default="nvfp4,bf16", help="with rollout: the base weights to time")
@@ -170,6 +174,13 @@ def main(argv=None):
     if args.rounds < 1:
         print(f"error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
+    from bench.lora_speed import PATHS
+    paths = list(PATHS) if args.paths is None else ["off"] + [
+        p for p in args.paths.split(",") if p != "off"]
+    if unknown := [p for p in paths if p not in PATHS]:
+        print(f"error: --paths {','.join(unknown)}: not a path; the paths are "
+              f"{', '.join(PATHS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: python -m bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -189,7 +200,7 @@ def main(argv=None):
         elif args.what == "rollout" and args.lora_paths:
             from bench.lora_speed import rollout_paths
             rollout_paths(out, args.size, [int(b) for b in args.batches.split(",")],
-                          args.new_tokens, 256, args.lora_rank or 32, args.rounds)
+                          args.new_tokens, 256, args.lora_rank or 32, args.rounds, paths)
         elif args.what == "rollout":
             bench_rollout(out, args.size, [int(b) for b in args.batches.split(",")],
                           args.new_tokens, hf=not args.no_hf, lora_rank=args.lora_rank,

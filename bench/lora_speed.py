@@ -26,9 +26,11 @@ rollout_paths: the same question for the engine's whole rollout, in one process 
 random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and on
 through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1; also
 the norm-fused products of NANOQERL_LORA_NORM=1, and o_proj's made by the decode attention,
-NANOQERL_LORA_ATTN=1), every path timed once a round, in turn, over --rounds rounds (odd rounds in
-reverse order); each path's cost is 1 - its tok/s / the adapters-off tok/s of the same round, and
-the median over rounds is printed. Needs a CUDA GPU.
+NANOQERL_LORA_ATTN=1; "fused": each A product in its GEMM's launch at 1-8 tokens, gemm/ks_lora,
+NANOQERL_LORA_FUSED=1, the one-launch shrink above), every path (or those of --paths) timed once a
+round, in turn, over --rounds rounds (odd rounds in reverse order); each path's cost is 1 - its
+tok/s / the adapters-off tok/s of the same round, and the median over rounds is printed. Needs a
+CUDA GPU.
 """
 import statistics
 
@@ -37,10 +39,13 @@ import torch
 from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
                           random_model, random_nvfp4)
 
-# the rollout's LoRA paths: adapters on?, layers/shrink.ON, .NORM, .ATTN
-PATHS = {"off": (False, False, False, False), "cublas": (True, False, False, False),
-         "shrink": (True, True, False, False), "shrink+norm": (True, True, True, False),
-         "shrink+norm+attn": (True, True, True, True)}
+# the rollout's LoRA paths: adapters on?, layers/shrink.ON, .NORM, .ATTN, .FUSED
+PATHS = {"off": (False, False, False, False, False), "cublas": (True, False, False, False, False),
+         "shrink": (True, True, False, False, False),
+         "shrink+norm": (True, True, True, False, False),
+         "shrink+norm+attn": (True, True, True, True, False),
+         "fused": (True, True, False, False, True)}
+SWITCHES = ("ON", "NORM", "ATTN", "FUSED")
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
@@ -124,7 +129,7 @@ def norm_rows(Ms, shapes, rank: int) -> list[dict]:
 
 
 def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, rank: int,
-                  rounds: int) -> list[dict]:
+                  rounds: int, paths=tuple(PATHS)) -> list[dict]:
     """Tokens/s of the engine with the LoRA off and on each of PATHS (see the module docstring):
     a row per (batch, round, path) in out["rollout_paths"], and per batch the median tok/s and
     the median cost of each path (out["rollout_paths_summary"])."""
@@ -134,14 +139,17 @@ def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, r
 
     m = random_model(size, True)
     add_random_lora(m, rank)
-    wb, saved, rows, summary = decode_bytes(m), (shrink.ON, shrink.NORM, shrink.ATTN), [], []
+    wb, rows, summary = decode_bytes(m), [], []
+    saved = [getattr(shrink, k) for k in SWITCHES]
     try:
         for B in batches:
             for r in range(rounds):
                 # odd rounds in reverse: a drift over a round (clocks, heat) favours no path
-                order = list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]
+                order = list(paths) if r % 2 == 0 else list(paths)[::-1]
                 for path in order:
-                    on, shrink.ON, shrink.NORM, shrink.ATTN = PATHS[path]
+                    on, *switches = PATHS[path]
+                    for k, v in zip(SWITCHES, switches):
+                        setattr(shrink, k, v)
                     # the switches are read at every call; a fresh engine captures its graphs
                     # with them
                     lora.set_enabled(m, on)
@@ -151,7 +159,8 @@ def rollout_paths(out: dict, size: str, batches, new_tokens: int, prompt: int, r
                     rows.append(row)
             summary.append(path_summary(B, [x for x in rows if x["batch"] == B]))
     finally:
-        shrink.ON, shrink.NORM, shrink.ATTN = saved
+        for k, v in zip(SWITCHES, saved):
+            setattr(shrink, k, v)
         lora.set_enabled(m, True)
     out["rollout_paths"], out["rollout_paths_summary"] = rows, summary
     return summary

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from gemm import layout
+from gemm import ks_lora, layout
 from layers import shrink
 from layers.ops import rms_norm, silu_mul
 
@@ -137,6 +137,10 @@ def base_linear(mod, x, qw, gated: int = 0, xa=None):
     elif (mod.snap is not None or gated) and epilogue_path(qw, x):
         x = x.contiguous()
         if xa is None and mod.snap is not None:
+            # 1-8 tokens: the A product inside the GEMM's own launch (gemm/ks_lora), opt-in
+            if shrink.FUSED and (y := ks_lora.nvfp4_mm_fused_a(x, qw, *mod.snap, mod.bias,
+                                                                gated)) is not None:
+                return y
             xa = shrink.a_product(x, mod.snap[0])                           # (M, R)
         snap = None if mod.snap is None else (xa, mod.snap[1])
         return kernels.nvfp4_mm(x, qw, mod.bias, lora=snap, gated=gated)

@@ -816,6 +816,59 @@ def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
     assert int(layout._WS[x.device][1].sum()) == 0
 
 
+@pytest.mark.parametrize("M, Kdim, R, gated", [(1, 512, 32, 0), (3, 128, 8, 0),
+                                                (8, 640, 96, 0), (2, 384, 64, 100)])
+def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
+    """gemm/ks_lora: the K-sliced GEMM whose launch also makes xa = x @ A^T, against the two
+    launches it replaces (lora_shrink_ref, then nvfp4_mm adding xa @ B^T in its epilogue): 1-8
+    tokens, xa over 1-3 programs (K = 128 / 384-640: 1 / 2-3 programs of 2 K tiles, the last one
+    ragged at 640), R up to 128 (96 pads to 128), plain and gated (silu(gate) * up). xa's fp32
+    sums come in another order and may round one bf16 ulp apart; then y moves by up to that ulp
+    times |B| summed over R, on top of the output's own rounding. Twice the same bits; the ticket,
+    flag and counters back at 0 after every launch."""
+    from gemm import ks_lora
+    dev = DEVICES[0]
+    N = 256 if gated else 96
+    w, _ = make_weight(N, Kdim, seed=M + R, device=dev)
+    g = torch.Generator().manual_seed(M * 10 + R)
+    x = torch.randn(M, Kdim, generator=g).to(dev, torch.bfloat16)
+    A = (0.05 * torch.randn(R, Kdim, generator=g)).to(dev, torch.bfloat16)
+    B = (0.1 * torch.randn(N, R, generator=g)).to(dev, torch.bfloat16)
+    bias = None if gated else torch.randn(N, generator=g).to(dev, torch.bfloat16)
+    y = ks_lora.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated)
+    ref = ks_lora.nvfp4_mm_fused_a_ref(x, w, A, B, bias, gated=gated)
+    assert y is not None and y.shape == ref.shape == (M, gated or N) and y.dtype == torch.bfloat16
+    xa = layers_shrink().lora_shrink_ref(x, A).float()
+    moved = 2.0 ** -7 * (xa.abs() @ B.float().abs().t())                # one xa ulp, through B
+    if gated:
+        moved = moved[:, :gated] + moved[:, N // 2:N // 2 + gated]      # through gate and up
+    tol = ROUND[dev] * 2 * ref.float().abs() + 2 * moved + 1e-3
+    assert ((y.float() - ref.float()).abs() <= tol).all(), (y.float() - ref.float()).abs().max()
+    # the term is there
+    plain = K.nvfp4_mm(x, w, bias, gated=gated)
+    assert not torch.allclose(y.float(), plain.float(), atol=1e-2)
+    assert torch.equal(ks_lora.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated), y)
+    assert int(ks_lora._SYNC[x.device].abs().sum()) == 0
+    assert int(layout._WS[x.device][1].sum()) == 0
+
+
+def test_fused_a_product_gemm_declines_what_it_does_not_cover():
+    # more than 8 tokens, or fp32: None, and the caller makes xa itself
+    from gemm import ks_lora
+    dev = DEVICES[0]
+    w, _ = make_weight(96, 256, device=dev)
+    A = torch.randn(8, 256).to(dev, torch.bfloat16)
+    B = torch.randn(96, 8).to(dev, torch.bfloat16)
+    x = torch.randn(9, 256).to(dev, torch.bfloat16)
+    assert ks_lora.nvfp4_mm_fused_a(x, w, A, B) is None
+    assert ks_lora.nvfp4_mm_fused_a(x[:2].float(), w, A, B) is None
+
+
+def layers_shrink():
+    from layers import shrink
+    return shrink
+
+
 def test_the_lora_path_benchmark_costs_each_round_against_its_own_adapters_off_run():
     # bench rollout --lora-paths: a slow round (a busy GPU) must not count against one path, so
     # each round's cost is taken against the adapters-off run of that round, then the median.
@@ -843,3 +896,7 @@ def test_the_lora_path_benchmark_refuses_zero_rounds_in_one_line(capsys):
 
     assert main(["rollout", "--lora-paths", "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --rounds must be >= 1, got 0"
+    assert main(["rollout", "--lora-paths", "--paths", "shrink,fast"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --paths fast: not a path; the paths are off, ")
+    assert "\n" not in err

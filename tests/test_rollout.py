@@ -179,19 +179,28 @@ def test_aqn_noise_is_per_call_and_lora_is_read_in_place(models):
     m.lora_config = None
 
 
-@pytest.mark.parametrize("in_norm,in_attn", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("in_norm,in_attn,fused", [(False, False, False), (True, False, False),
+                                                   (True, True, False), (False, False, True)])
 def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp_path, monkeypatch,
-                                                            in_norm, in_attn):
+                                                            in_norm, in_attn, fused):
     """bf16 NVFP4 base with LoRA on every linear, Triton kernels on (the interpreter on CPU):
     generation adds the adapter's snapshot in the GEMM epilogue, the trainer's forward adds it with
     torch ops. Greedy tokens must be argmaxes of the trainer's logits (up to near ties) and the
     engine's logprobs equal the trainer's log-softmax. in_norm: the A products of q/k/v and
     gate/up made by the norms before them (NANOQERL_LORA_NORM=1, layers/shrink.rms_norm_lora).
-    in_attn: o_proj's made by the decode attention (NANOQERL_LORA_ATTN=1)."""
+    in_attn: o_proj's made by the decode attention (NANOQERL_LORA_ATTN=1). fused: every A
+    product of a decode step made in its GEMM's own launch (NANOQERL_LORA_FUSED=1, gemm/ks_lora)."""
+    from gemm import ks_lora
     from layers import attention, shrink
     monkeypatch.setattr(kernels, "CPU_TRITON", True)
     monkeypatch.setattr(shrink, "NORM", in_norm)
     monkeypatch.setattr(shrink, "ATTN", in_attn)
+    monkeypatch.setattr(shrink, "FUSED", fused)
+    in_gemm = []  # rows of the GEMMs that made their own A product
+    real_fused = ks_lora.nvfp4_mm_fused_a
+    monkeypatch.setattr(ks_lora, "nvfp4_mm_fused_a",
+                        lambda x, *a, **k: (y := real_fused(x, *a, **k)) is not None
+                        and in_gemm.append(x.shape[0]) or y)
     handed = []  # decode attention calls asked for o_proj's A product
     real_attn = attention.decode_attention
     monkeypatch.setattr(attention, "decode_attention",
@@ -217,6 +226,8 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
     # the epilogue path ran, SiLU x up in gate_up's
     assert all(lo for lo, _ in calls) and any(g for _, g in calls)
+    # fused: the 4 groups of every layer at each of the 3 decode steps (2 rows) made their own
+    assert in_gemm == ([2] * (4 * len(m.model.layers) * 3) if fused else [])
     # with in_norm, both norms of every layer made their group's A product (rank 4: q/k/v 12
     # rows, gate/up 8), at every generated token
     layers = len(m.model.layers)
