@@ -59,8 +59,9 @@ def batch_logprobs(model, b, temperature, micro_batch, noise=None, ctx=dist.SING
         idx = idx[ctx.rank::ctx.world]                                       # (~S / world,)
     subset = shared or skip is not None                  # idx is not simply every row, in order
     with torch.no_grad():
+        # (an empty idx splits into one empty chunk: every row skipped or on other ranks)
         outs = [policy_logprobs(model, b, c, temperature, entropy=entropy, noise=noise)
-                for c in idx.split(micro_batch)]
+                for c in idx.split(micro_batch) if len(c)]
     lp = torch.cat([o[0] for o in outs]) if outs else b["mask"][:0]         # (s, T)
     ent_sum = n_tok = 0.0
     if entropy:

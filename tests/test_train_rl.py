@@ -229,6 +229,19 @@ def test_reusing_the_first_minibatchs_forward_as_pi_old_changes_nothing_but_the_
         assert y["mismatch_abs"] == pytest.approx(x["mismatch_abs"], abs=1e-4)
 
 
+def test_pi_old_pass_with_every_row_skipped_runs_no_forward():
+    # --old-logp reuse where the first minibatch is the whole batch (a step that dynamic sampling
+    # left with few groups): the pass has no row left, makes no forward, and returns zeros
+    S, T = 4, 3
+    b = dict(ids=torch.zeros(S, 5, dtype=torch.long), mask=torch.ones(S, T))
+
+    def no_model(*a, **k):
+        raise AssertionError("a forward over no rows")
+    lp, ent, n = train.ppo.batch_logprobs(no_model, b, 1.0, 2, skip=torch.arange(S))
+    assert lp.shape == (S, T) and lp.dtype == torch.float32 and not lp.any()
+    assert (ent, n) == (0.0, 0.0)
+
+
 def test_reusing_pi_old_needs_one_epoch(tmp_path, capsys):
     rc, _, _ = run(tmp_path, "x", "--old-logp", "reuse", "--epochs", "2")
     assert rc != 0
