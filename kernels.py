@@ -36,8 +36,8 @@ ws_config says it wins; else the kernel below.
 
 Other GPUs (Ampere, Ada, Blackwell) run the same Triton kernels on the portable path (see hopper);
 Hopper alone runs gemm/warp_specialized.py and the PTX with sm_90's bf16x2 multiply.
-Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM (gemm/ks_lora.py
-has it at 1-8 tokens, opt-in), non-Hopper tuning, and the designs measured and dropped in
+Leaves out: FP4 activations (Blackwell only), the LoRA A product inside the GEMM (gemm/fused_a.py
+has it up to 64 tokens, opt-in), non-Hopper tuning, and the designs measured and dropped in
 docs/KERNELS.md (cheaper split-K fixups, a CUDA-core GEMV, wider K-sliced tiles).
 """
 if __name__ == "__main__":     # run as a script: the pinned packages (pyproject.toml) are
@@ -223,7 +223,7 @@ if triton is not None:
             bt = tl.load(lb_ptr + n[:, None] * R + r[None, :],
                          mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
             xa = tl.load(xa_ptr + m[None, :] * R + r[:, None], cache_modifier=".cg",
-                         mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)   # (L2: gemm/ks_lora)
+                         mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)   # (L2: gemm/fused_a)
             acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
@@ -240,21 +240,14 @@ if triton is not None:
                  mask=(n[:, None] < N) & (m[None, :] < M))
 
     @triton.jit
-    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
-                         M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
-                         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
-                         UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
-                         GATED: tl.constexpr = False, UP=0, I=0):
-        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n = _rows(pid_n, BN, UP, GATED)                               # rows of W (output features)
-        m = pid_m * BM + tl.arange(0, BM)                             # tokens
+    def _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, t0, TILES_PER_SPLIT, stride_xm,
+                BN: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr, PEEL: tl.constexpr):
+        # this split's K tiles t0.. of rows n and tokens m, scaled: (BN, BM) fp32
         kk = tl.arange(0, 128)
-        t0 = pid_k * TILES_PER_SPLIT
         wp = w_ptr + (t0 * NP + n[:, None]) * 16 + tl.arange(0, 16)[None, :]  # (BN, 16) words
         sp = s_ptr + (t0 * NP + n[:, None]) * 2 + tl.arange(0, 2)[None, :]    # (BN, 2) scale words
         xp = x_ptr + m[:, None] * stride_xm + t0 * 128 + kk[None, :]          # (BM, 128)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.zeros((BN, m.shape[0]), dtype=tl.float32)
         if PEEL:  # first K tile outside the loop: the accumulator enters it from a wgmma, not from
             # zeroing movs, so ptxas keeps the loop's wgmmas in flight (else it serializes them,
             # advisory C7515; see gemm/configs.mm_config)
@@ -277,7 +270,20 @@ if triton is not None:
             wp += NP * 16
             sp += NP * 2
             xp += 128
-        acc = acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+        return acc * ((2.0 ** 119 if USE_ASM else 1.0) / tl.load(gs_ptr))
+
+    @triton.jit
+    def _nvfp4_mm_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr, xa_ptr, lb_ptr,
+                         M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym, R,
+                         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr, RP: tl.constexpr = 0,
+                         UNROLL: tl.constexpr = 1, PEEL: tl.constexpr = 0,
+                         GATED: tl.constexpr = False, UP=0, I=0):
+        pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = _rows(pid_n, BN, UP, GATED)                               # rows of W (output features)
+        m = pid_m * BM + tl.arange(0, BM)                             # tokens
+        acc = _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, pid_k * TILES_PER_SPLIT,
+                      TILES_PER_SPLIT, stride_xm, BN, USE_ASM, UNROLL, PEEL)       # (BN, BM)
         out_mask = (n[:, None] < N) & (m[None, :] < M)
         # park the partial sum; the last program of this output tile adds them all up
         if SPLIT_K > 1:

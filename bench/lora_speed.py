@@ -26,7 +26,7 @@ rollout_paths: the same question for the engine's whole rollout, in one process 
 random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and on
 through each way of the A product (cuBLAS; layers/shrink.lora_shrink as NANOQERL_LORA_SHRINK=1; also
 the norm-fused products of NANOQERL_LORA_NORM=1, and o_proj's made by the decode attention,
-NANOQERL_LORA_ATTN=1; "fused": each A product in its GEMM's launch at 1-8 tokens, gemm/ks_lora,
+NANOQERL_LORA_ATTN=1; "fused": each A product in its GEMM's launch up to 64 tokens, gemm/fused_a,
 NANOQERL_LORA_FUSED=1, the one-launch shrink above), every path (or those of --paths) timed once a
 round, in turn, over --rounds rounds (odd rounds in reverse order); each path's cost is 1 - its
 tok/s / the adapters-off tok/s of the same round, and the median over rounds is printed. Needs a

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from gemm import ks_lora, layout
+from gemm import fused_a, layout
 from layers import shrink
 from layers.ops import rms_norm, silu_mul
 
@@ -137,8 +137,8 @@ def base_linear(mod, x, qw, gated: int = 0, xa=None):
     elif (mod.snap is not None or gated) and epilogue_path(qw, x):
         x = x.contiguous()
         if xa is None and mod.snap is not None:
-            # 1-8 tokens: the A product inside the GEMM's own launch (gemm/ks_lora), opt-in
-            if shrink.FUSED and (y := ks_lora.nvfp4_mm_fused_a(x, qw, *mod.snap, mod.bias,
+            # up to 64 tokens: the A product inside the GEMM's launch (gemm/fused_a), opt-in
+            if shrink.FUSED and (y := fused_a.nvfp4_mm_fused_a(x, qw, *mod.snap, mod.bias,
                                                                 gated)) is not None:
                 return y
             xa = shrink.a_product(x, mod.snap[0])                           # (M, R)

@@ -24,8 +24,8 @@ the decode step 1.75 ms slower, experiments/results/rollout-lora-h100/lora-paths
 default, like the other, until measured.
 With NANOQERL_LORA_ATTN=1 the decode attention's merge launch makes o_proj's A product the same way
 (layers/attention.decode_attention(a_next=)), where that launch runs (batches below the SM count).
-With NANOQERL_LORA_FUSED=1 a GEMM of 1-8 tokens makes its own A product in its launch
-(gemm/ks_lora), where no launch before made it.
+With NANOQERL_LORA_FUSED=1 a Triton GEMM of up to 64 tokens makes its own A product in its launch
+(gemm/fused_a), where no launch before made it.
 """
 import os
 
@@ -47,7 +47,7 @@ ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
 NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
 # o_proj's A product inside the decode attention's merge launch (layers/linear.next_a)
 ATTN = os.environ.get("NANOQERL_LORA_ATTN") == "1"
-# at 1-8 tokens, each A product inside its GEMM's own launch (gemm/ks_lora, layers/linear)
+# up to 64 tokens, each A product inside its GEMM's own launch (gemm/fused_a, layers/linear)
 FUSED = os.environ.get("NANOQERL_LORA_FUSED") == "1"
 # token rows a program of rms_norm_lora takes (tl.dot's smallest side), and its most K steps: each
 # program reads its token rows whole for their sum of squares, so it takes fewer, longer ranges

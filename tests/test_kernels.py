@@ -817,16 +817,20 @@ def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
 
 
 @pytest.mark.parametrize("M, Kdim, R, gated", [(1, 512, 32, 0), (3, 128, 8, 0),
-                                                (8, 640, 96, 0), (2, 384, 64, 100)])
+                                                (8, 640, 96, 0), (2, 384, 64, 100),
+                                                (12, 512, 32, 0), (20, 640, 96, 100),
+                                                (40, 256, 16, 0)])
 def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
-    """gemm/ks_lora: the K-sliced GEMM whose launch also makes xa = x @ A^T, against the two
-    launches it replaces (lora_shrink_ref, then nvfp4_mm adding xa @ B^T in its epilogue): 1-8
-    tokens, xa over 1-3 programs (K = 128 / 384-640: 1 / 2-3 programs of 2 K tiles, the last one
-    ragged at 640), R up to 128 (96 pads to 128), plain and gated (silu(gate) * up). xa's fp32
+    """gemm/fused_a: the GEMM whose launch also makes xa = x @ A^T, against the two launches it
+    replaces (lora_shrink_ref, then nvfp4_mm adding xa @ B^T in its epilogue): the K-sliced GEMM
+    at 1-8 tokens, the split-K one at 12-40 (K split in 2 at 12 and 20: the tile's last split
+    waits for xa; no split at 40), xa over 1-3 programs (K = 128 / 256-640: 1 / 1-3
+    programs of 2 K tiles, the last one ragged at 640), R up to 128 (96 pads to 128), plain and
+    gated (silu(gate) * up). xa's fp32
     sums come in another order and may round one bf16 ulp apart; then y moves by up to that ulp
     times |B| summed over R, on top of the output's own rounding. Twice the same bits; the ticket,
     flag and counters back at 0 after every launch."""
-    from gemm import ks_lora
+    from gemm import fused_a
     dev = DEVICES[0]
     N = 256 if gated else 96
     w, _ = make_weight(N, Kdim, seed=M + R, device=dev)
@@ -835,8 +839,8 @@ def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
     A = (0.05 * torch.randn(R, Kdim, generator=g)).to(dev, torch.bfloat16)
     B = (0.1 * torch.randn(N, R, generator=g)).to(dev, torch.bfloat16)
     bias = None if gated else torch.randn(N, generator=g).to(dev, torch.bfloat16)
-    y = ks_lora.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated)
-    ref = ks_lora.nvfp4_mm_fused_a_ref(x, w, A, B, bias, gated=gated)
+    y = fused_a.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated)
+    ref = fused_a.nvfp4_mm_fused_a_ref(x, w, A, B, bias, gated=gated)
     assert y is not None and y.shape == ref.shape == (M, gated or N) and y.dtype == torch.bfloat16
     xa = layers_shrink().lora_shrink_ref(x, A).float()
     moved = 2.0 ** -7 * (xa.abs() @ B.float().abs().t())                # one xa ulp, through B
@@ -847,21 +851,21 @@ def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
     # the term is there
     plain = K.nvfp4_mm(x, w, bias, gated=gated)
     assert not torch.allclose(y.float(), plain.float(), atol=1e-2)
-    assert torch.equal(ks_lora.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated), y)
-    assert int(ks_lora._SYNC[x.device].abs().sum()) == 0
+    assert torch.equal(fused_a.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated), y)
+    assert int(fused_a._SYNC[x.device].abs().sum()) == 0
     assert int(layout._WS[x.device][1].sum()) == 0
 
 
 def test_fused_a_product_gemm_declines_what_it_does_not_cover():
-    # more than 8 tokens, or fp32: None, and the caller makes xa itself
-    from gemm import ks_lora
+    # more than 64 tokens, or fp32: None, and the caller makes xa itself
+    from gemm import fused_a
     dev = DEVICES[0]
     w, _ = make_weight(96, 256, device=dev)
     A = torch.randn(8, 256).to(dev, torch.bfloat16)
     B = torch.randn(96, 8).to(dev, torch.bfloat16)
-    x = torch.randn(9, 256).to(dev, torch.bfloat16)
-    assert ks_lora.nvfp4_mm_fused_a(x, w, A, B) is None
-    assert ks_lora.nvfp4_mm_fused_a(x[:2].float(), w, A, B) is None
+    x = torch.randn(65, 256).to(dev, torch.bfloat16)
+    assert fused_a.nvfp4_mm_fused_a(x, w, A, B) is None
+    assert fused_a.nvfp4_mm_fused_a(x[:2].float(), w, A, B) is None
 
 
 def layers_shrink():

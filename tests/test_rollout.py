@@ -189,18 +189,22 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
     engine's logprobs equal the trainer's log-softmax. in_norm: the A products of q/k/v and
     gate/up made by the norms before them (NANOQERL_LORA_NORM=1, layers/shrink.rms_norm_lora).
     in_attn: o_proj's made by the decode attention (NANOQERL_LORA_ATTN=1). fused: every A
-    product of a decode step made in its GEMM's own launch (NANOQERL_LORA_FUSED=1, gemm/ks_lora)."""
-    from gemm import ks_lora
+    product of a decode step made in its GEMM's own launch (NANOQERL_LORA_FUSED=1, gemm/fused_a)."""
+    from gemm import fused_a
     from layers import attention, shrink
     monkeypatch.setattr(kernels, "CPU_TRITON", True)
     monkeypatch.setattr(shrink, "NORM", in_norm)
     monkeypatch.setattr(shrink, "ATTN", in_attn)
     monkeypatch.setattr(shrink, "FUSED", fused)
-    in_gemm = []  # rows of the GEMMs that made their own A product
-    real_fused = ks_lora.nvfp4_mm_fused_a
-    monkeypatch.setattr(ks_lora, "nvfp4_mm_fused_a",
-                        lambda x, *a, **k: (y := real_fused(x, *a, **k)) is not None
-                        and in_gemm.append(x.shape[0]) or y)
+    in_gemm = []  # (rows, gated) of the GEMMs that made their own A product
+    real_fused = fused_a.nvfp4_mm_fused_a
+
+    def counted(x, w, A, B, bias=None, gated=0):
+        y = real_fused(x, w, A, B, bias, gated)
+        if y is not None:
+            in_gemm.append((x.shape[0], gated))
+        return y
+    monkeypatch.setattr(fused_a, "nvfp4_mm_fused_a", counted)
     handed = []  # decode attention calls asked for o_proj's A product
     real_attn = attention.decode_attention
     monkeypatch.setattr(attention, "decode_attention",
@@ -224,10 +228,13 @@ def test_lora_in_the_gemm_epilogue_matches_the_trainer_path(make_checkpoint, tmp
                          or K_mm(*a, **k)))
     eng = R.Engine(m, max_batch=4, max_len=64)
     out = eng.generate(PROMPTS[:2], max_new_tokens=4, temperature=0.0, stop_token_ids=[])
-    # the epilogue path ran, SiLU x up in gate_up's
-    assert all(lo for lo, _ in calls) and any(g for _, g in calls)
-    # fused: the 4 groups of every layer at each of the 3 decode steps (2 rows) made their own
-    assert in_gemm == ([2] * (4 * len(m.model.layers) * 3) if fused else [])
+    # the epilogue path ran, SiLU x up in gate_up's (in the fused launch where that ran)
+    assert all(lo for lo, _ in calls) and any(g for _, g in calls + in_gemm)
+    # fused: the 4 groups of every layer at each of the 3 decode steps (2 rows) made their own,
+    # and the prefill's too
+    decode = [r for r, _ in in_gemm if r == 2]
+    assert len(decode) == (4 * len(m.model.layers) * 3 if fused else 0)
+    assert fused == (len(in_gemm) > len(decode)) and not (fused and calls)
     # with in_norm, both norms of every layer made their group's A product (rank 4: q/k/v 12
     # rows, gate/up 8), at every generated token
     layers = len(m.model.layers)

@@ -1,0 +1,209 @@
+"""fused_a.py: the NVFP4 GEMMs of a decode step (kernels.py's K-sliced one, 1-8 tokens, and its
+split-K one, 9-64) with the LoRA's A product in the same launch, beside their reference (the A
+product, then the GEMM).
+
+    pytest tests/test_kernels.py -k fused_a                          # against the reference
+    python -m bench rollout --lora-paths --lora-rank 32 --no-hf      # the "fused" path, on a GPU
+
+Why. With an adapter on every linear, a decode step makes four A products a layer, xa = x @ A^T
+(M, R), before the GEMMs whose epilogues add xa @ B^T. Each is a launch of its own (cuBLAS, or
+layers/shrink.lora_shrink) of a few microseconds where reading A takes under one: at batch 1 the
+112 of a 7B step cost about 0.5 ms of a 2.55 ms step (docs/BENCHMARKS.md). Here the GEMM's launch
+has PA programs more, which make xa (K split over them, fixed up in program order as
+lora_shrink does) while the others stream the weights; a GEMM program waits for xa only before
+its epilogue, when the weights it read have taken far longer than A.
+
+Who does what. A program draws a ticket from a counter as it starts: tickets 0..PA-1 make xa, a
+ticket t >= PA takes the GEMM's program t - PA (row tile, token tile, K split, in the order of
+kernels.py's grid). A program that waits holds a ticket >= PA, so every xa program has already
+started, and those never wait: the wait ends in whatever order the GPU starts the programs (a
+program id promises no order; a ticket is drawn by a running program). The last output tile to
+be finished puts the ticket, the ready flag and its own count back to 0 for the next launch or
+CUDA-graph replay.
+
+Leaves out: what runs on the warp-specialized GEMM (Hopper, 33 tokens and more where it wins:
+there the A product keeps its own launch), more than 64 tokens, autograd (generation only). Off
+unless NANOQERL_LORA_FUSED=1 (layers/shrink.FUSED) until the decode step is measured with it.
+"""
+import torch
+
+import kernels
+from gemm.configs import mm_config, split_k
+from gemm.layout import INTERPRET, NVFP4Weight, workspace
+from kernels import _use_triton, hopper, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from kernels import _dot, _ks_acc, _rows, _sk_acc, _store
+
+# K tiles (128 columns) an xa program reads; 7B's q/k/v (28 tiles) gets 14 programs, down 74
+A_STEPS = 2
+# the most tokens the fused launch takes (xa programs hold every token's row of xa)
+MAX_M = 64
+# device -> int32 [ticket, xa ready, GEMM programs done]; each launch leaves it at 0
+_SYNC: dict = {}
+
+
+def _sync(device) -> torch.Tensor:
+    if device not in _SYNC:
+        _SYNC[device] = torch.zeros(3, dtype=torch.int32, device=device)
+    return _SYNC[device]
+
+
+def nvfp4_mm_fused_a_ref(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch.Tensor,
+                         bias=None, gated: int = 0) -> torch.Tensor:
+    """The two launches this one replaces: xa = x @ A^T (fp32 sums, one bf16 rounding), then
+    kernels.nvfp4_mm with xa @ B^T in its epilogue."""
+    import kernels
+    from layers.shrink import lora_shrink_ref
+
+    return kernels.nvfp4_mm(x2, w, bias, lora=(lora_shrink_ref(x2, A), B), gated=gated)
+
+
+if triton is not None:
+    @triton.jit
+    def _xa_part(x_ptr, a_ptr, xa_ptr, ws_ptr, cnt_ptr, sync_ptr, part, M, K, R, stride_xm,
+                 PA: tl.constexpr, STEPS: tl.constexpr, RP: tl.constexpr, BMA: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+        # xa program `part`: its K tiles' share of x @ A^T; the last of the PA adds the shares in
+        # program order, stores xa (M, R) and raises the ready flag
+        m = tl.arange(0, BMA)                                              # tokens
+        r = tl.arange(0, RP)                                               # rows of A
+        kk = tl.arange(0, 128)
+        acc = tl.zeros((RP, BMA), dtype=tl.float32)
+        for s in range(0, STEPS):
+            k = (part * STEPS + s) * 128 + kk                              # (128,) columns
+            a = tl.load(a_ptr + r[:, None] * K + k[None, :],
+                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)     # (RP, 128)
+            xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
+                         mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)   # (BMA, 128)
+            acc = _dot(a, tl.trans(xt), acc, USE_ASM)                      # (RP, BMA) fp32
+        out = xa_ptr + m[None, :] * R + r[:, None]                         # (RP, BMA) of (M, R)
+        out_mask = (r[:, None] < R) & (m[None, :] < M)
+        last = True
+        if PA > 1:
+            park = ws_ptr + (part * BMA + m[None, :]) * RP + r[:, None]
+            tl.store(park, acc)
+            tl.debug_barrier()
+            last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == PA - 1
+            if last:
+                acc = tl.zeros((RP, BMA), dtype=tl.float32)
+                for p in range(0, PA):
+                    acc += tl.load(ws_ptr + (p * BMA + m[None, :]) * RP + r[:, None],
+                                   cache_modifier=".cg")
+                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")                  # ready for the next
+        if last:
+            tl.store(out, acc.to(xa_ptr.dtype.element_ty), mask=out_mask)
+            tl.debug_barrier()                                             # every thread's xa
+            tl.atomic_xchg(sync_ptr + 1, 1, sem="release")                 # before the flag
+
+    @triton.jit
+    def _tile_done(sync_ptr, NT):
+        # an output tile is stored: the last of the NT puts the ticket, flag and count back
+        if tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel") == NT - 1:
+            tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed")
+            tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+
+    @triton.jit
+    def _wait_xa(sync_ptr):
+        # xa is long made by now; the flag says so (acquire: its stores are seen after it)
+        while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") == 0:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _fused_a_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, b_ptr, y_ptr, xa_ptr, lb_ptr, a_ptr, ws_ptr,
+                        cnt_ptr, sync_ptr, M, N, NP, K, KT, TILES_PER_SPLIT, stride_xm, stride_ym,
+                        R, NTN, NTM, WS_A, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
+                        RP: tl.constexpr, PA: tl.constexpr, STEPS: tl.constexpr,
+                        BMA: tl.constexpr, UNROLL: tl.constexpr, PEEL: tl.constexpr,
+                        GATED: tl.constexpr, UP, I):
+        # KS > 0: the K-sliced GEMM (one token tile, no split); else the split-K one. The xa
+        # programs' partial sums sit in the workspace from float WS_A on, their count at
+        # cnt[NTN * NTM] (after the GEMM tiles')
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")                 # sync: ticket, ready,
+        if ticket < PA:                                                    # tiles done
+            _xa_part(x_ptr, a_ptr, xa_ptr, ws_ptr + WS_A, cnt_ptr + NTN * NTM, sync_ptr, ticket,
+                     M, K, R, stride_xm, PA, STEPS, RP, BMA, USE_ASM)
+        else:
+            g = ticket - PA
+            pid_n, pid_m, pid_k = g % NTN, (g // NTN) % NTM, g // (NTN * NTM)
+            n = _rows(pid_n, BN, UP, GATED)                                # rows of W
+            m = pid_m * BM + tl.arange(0, BM)                              # tokens
+            if KS > 0:
+                acc = _ks_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, stride_xm, BN, KS,
+                              USE_ASM)                                     # (BN, BM) fp32
+                _wait_xa(sync_ptr)
+                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
+                       HAS_BIAS, RP, USE_ASM, GATED, I)
+                _tile_done(sync_ptr, NTN * NTM)
+            else:
+                acc = _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT,
+                              pid_k * TILES_PER_SPLIT, TILES_PER_SPLIT, stride_xm, BN, USE_ASM,
+                              UNROLL, PEEL)                                # (BN, BM) fp32
+                out_mask = (n[:, None] < N) & (m[None, :] < M)
+                last = True
+                if SPLIT_K > 1:
+                    # kernels._nvfp4_mm_kernel's fix-up: the tile's last split adds them in order
+                    tile = pid_m * NTN + pid_n
+                    mp = NTM * BM                                          # padded token count
+                    tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc,
+                             mask=out_mask)
+                    tl.debug_barrier()
+                    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
+                    if last:
+                        acc = tl.zeros((BN, BM), dtype=tl.float32)
+                        for s in range(0, SPLIT_K):
+                            acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
+                                           mask=out_mask, other=0.0, cache_modifier=".cg")
+                        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+                if last:
+                    _wait_xa(sync_ptr)
+                    _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
+                           HAS_BIAS, RP, USE_ASM, GATED, I)
+                    _tile_done(sync_ptr, NTN * NTM)
+
+
+def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch.Tensor,
+                     bias=None, gated: int = 0, use_asm: bool | None = None):
+    """kernels.nvfp4_mm(x2, w, bias, lora=(x2 @ A^T, B), gated=gated) in one launch: x2 (M, K)
+    bf16 with M <= MAX_M, A (R, K), B (N, R), R <= 128. Returns None where that launch does not
+    apply (more tokens, the warp-specialized GEMM's tokens, no Triton, another dtype); the caller
+    then makes xa itself."""
+    M, K = x2.shape
+    R, N, KT = A.shape[0], w.n, w.words.shape[0]
+    if not (_use_triton(x2) and x2.dtype == torch.bfloat16 and M <= MAX_M and 0 < R <= 128
+            and A.shape[1] == K and B.shape == (N, R) and x2.stride(1) == 1):
+        return None
+    if kernels.ws_choice(x2, w, gated=gated) is not None:
+        return None
+    if gated and not (0 < gated <= N // 2 and N % 256 == 0):
+        raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike "
+                         f"(N = {N})")
+    cfg = mm_config(M, N, K)                                   # what kernels.nvfp4_mm would run
+    BM, BN = cfg.pop("BM"), cfg.pop("BN")
+    KS = cfg.pop("KS", 0)
+    split, per_split = split_k(KT, cfg.pop("SPLIT_K", 1))
+    ptx = 1 if hopper(x2.device) else 2                                # as kernels.nvfp4_mm
+    asm = (0 if INTERPRET else ptx) if use_asm is None else ptx * bool(use_asm)
+    RP = max(16, triton.next_power_of_2(R))
+    BMA = max(16, triton.next_power_of_2(M))
+    A = A.to(x2.dtype).contiguous()
+    B = B.to(x2.dtype).contiguous()
+    xa = torch.empty(M, R, dtype=x2.dtype, device=x2.device)
+    y = torch.empty(M, gated or N, dtype=x2.dtype, device=x2.device)
+    PA = triton.cdiv(KT, A_STEPS)
+    NTN, NTM = triton.cdiv(N, BN), triton.cdiv(M, BM)
+    ws_a = split * NTM * BM * N if split > 1 else 0            # the GEMM's partial sums first
+    ws, cnt = workspace(x2.device, ws_a + PA * BMA * RP, NTN * NTM + 1)
+    _fused_a_kernel[(PA + NTN * NTM * split,)](
+        x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, B, A, ws,
+        cnt, _sync(x2.device), M, N, w.words.shape[1], K, KT, per_split, x2.stride(0),
+        y.stride(0), R, NTN, NTM, ws_a, BM=BM, BN=BN, KS=KS, SPLIT_K=split,
+        HAS_BIAS=bias is not None, USE_ASM=asm, RP=RP, PA=PA, STEPS=A_STEPS, BMA=BMA,
+        UNROLL=cfg.pop("UNROLL", 1), PEEL=cfg.pop("PEEL", 0), GATED=bool(gated),
+        UP=N // 2 if gated else 0, I=gated, **cfg)
+    return y
