@@ -26,7 +26,8 @@ including the 0.5 subnormal; the fp8 scale byte shifted left by 4 is s * 2^-120 
 2^127 gives s * 2^7; their product q * s * 2^-119 is exact in bf16 and the fp32 epilogue multiplies
 by 2^119 / global_scale once. Split-K programs park partial sums in a workspace and the last one to
 finish (a counter per output tile) writes the result, so a call is one launch; the epilogue can add
-a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T from cuBLAS).
+a LoRA term xa @ B^T (the rollout's adapters, xa = x @ A^T made before the call). The fix-up and
+the epilogue live in gemm/epilogue.py, shared with gemm/fused_a.py.
 1-8 tokens run the K-sliced kernel instead (16-32 weight rows over all of K, 4 warps each taking
 every 4th K tile as the batch of a 3-D dot on mma.sync, summed once at the end: no workspace, no
 fixup; see gemm/configs.mm_config).
@@ -63,6 +64,9 @@ except ImportError as e:
     if "nanoqerl needs" in str(e):
         raise
     triton = None
+
+if triton is not None:
+    from gemm.epilogue import _dot, _fixup, _rows, _store
 
 # any GPU takes the path a non-Hopper GPU takes (see hopper)
 PORTABLE = os.environ.get("NANOQERL_PORTABLE") == "1"
@@ -196,50 +200,6 @@ if triton is not None:
             return _e2m1_twin(words, sw0, sw1, BN)
 
     @triton.jit
-    def _dot(a, b, acc, USE_ASM: tl.constexpr):
-        if USE_ASM:
-            return tl.dot(a, b, acc)
-        else:  # the interpreter multiplies bf16 operands wrongly; fp32 is exact for these values
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-
-    @triton.jit
-    def _rows(pid_n, BN: tl.constexpr, UP, GATED: tl.constexpr):
-        # a program's BN weight rows: consecutive, or (GATED) BN / 2 gate rows c and the up rows
-        # UP + c beside them
-        j = tl.arange(0, BN)
-        if GATED:
-            return pid_n * (BN // 2) + j % (BN // 2) + tl.where(j < BN // 2, 0, UP)
-        return pid_n * BN + j
-
-    @triton.jit
-    def _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R, HAS_BIAS: tl.constexpr,
-               RP: tl.constexpr, USE_ASM: tl.constexpr, GATED: tl.constexpr, I):
-        # y = acc (BN, BM) fp32 + bias + the LoRA term B @ xa^T (xa = x @ A^T: (M, R), B: (N, R),
-        # R <= RP), rounded once
-        # GATED (rows as _rows): y = silu(gate) * up (M, I) of that rounded output, rounded as
-        # ops.silu_mul does
-        if RP > 0:
-            r = tl.arange(0, RP)
-            bt = tl.load(lb_ptr + n[:, None] * R + r[None, :],
-                         mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
-            xa = tl.load(xa_ptr + m[None, :] * R + r[:, None], cache_modifier=".cg",
-                         mask=(m[None, :] < M) & (r[:, None] < R), other=0.0)   # (L2: gemm/fused_a)
-            acc = _dot(bt, xa, acc, USE_ASM)                                        # (BN, BM)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-        dt = y_ptr.dtype.element_ty
-        # the (BN, BM) tile is gate rows c, then up rows UP + c (_rows): store (BN/2, BM) at
-        # columns c
-        if GATED:
-            h: tl.constexpr = n.shape[0] // 2
-            g, u = tl.split(tl.permute(tl.reshape(acc.to(dt).to(tl.float32), (2, h, m.shape[0])),
-                                       (1, 2, 0)))
-            c, _ = tl.split(tl.permute(tl.reshape(n, (2, h)), (1, 0)))                  # (BN/2,)
-            acc, n, N = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u, c, I
-        tl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(dt),
-                 mask=(n[:, None] < N) & (m[None, :] < M))
-
-    @triton.jit
     def _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, t0, TILES_PER_SPLIT, stride_xm,
                 BN: tl.constexpr, USE_ASM: tl.constexpr, UNROLL: tl.constexpr, PEEL: tl.constexpr):
         # this split's K tiles t0.. of rows n and tokens m, scaled: (BN, BM) fp32
@@ -284,24 +244,9 @@ if triton is not None:
         m = pid_m * BM + tl.arange(0, BM)                             # tokens
         acc = _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT, pid_k * TILES_PER_SPLIT,
                       TILES_PER_SPLIT, stride_xm, BN, USE_ASM, UNROLL, PEEL)       # (BN, BM)
-        out_mask = (n[:, None] < N) & (m[None, :] < M)
-        # park the partial sum; the last program of this output tile adds them all up
-        if SPLIT_K > 1:
-            tile = pid_m * tl.num_programs(0) + pid_n
-            mp = tl.num_programs(1) * BM                                        # padded token count
-            tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc, mask=out_mask)
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if done == SPLIT_K - 1:
-                acc = tl.zeros((BN, BM), dtype=tl.float32)
-                for s in range(0, SPLIT_K):
-                    acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
-                                   mask=out_mask, other=0.0, cache_modifier=".cg")
-                _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
-                       HAS_BIAS, RP, USE_ASM, GATED, I)
-                # no fence: the next launch sees it
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
-        else:
+        acc, last = _fixup(acc, n, m, M, N, ws_ptr, cnt_ptr, pid_n, pid_m, pid_k,
+                           tl.num_programs(0), tl.num_programs(1), SPLIT_K)
+        if last:
             _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,
                    HAS_BIAS, RP, USE_ASM, GATED, I)
 
@@ -422,11 +367,6 @@ def ws_choice(x2: torch.Tensor, w: NVFP4Weight, config=None, use_asm=None,
         return None
     ws = _ws()
     return ws.ws_config(M, w.n, x2.shape[1]) if ws is not None and ws.usable(x2) else None
-
-
-def gemm_path(x2: torch.Tensor, w: NVFP4Weight, **kw) -> str:
-    """"ws" or "triton": which GEMM nvfp4_mm(x2, w, **kw) runs (for the tests and benchmarks)."""
-    return "triton" if ws_choice(x2, w, **kw) is None else "ws"
 
 
 @functools.cache

@@ -48,7 +48,7 @@ def bench_gemm(Ms, sweep: str | None, out: dict, shapes: dict = SHAPES_7B):
             row = dict(shape=name, M=M, bf16_us=t_bf16, nvfp4_us=t_ours, speedup=t_bf16 / t_ours,
                        nvfp4_GBps=gbs,
                        gemm=("dequant+cuBLAS" if M >= kernels.LARGE_M
-                             else kernels.gemm_path(x, wq[0])))
+                             else "triton" if kernels.ws_choice(x, wq[0]) is None else "ws"))
             # the bound a perfect W4 kernel meets: cuBLAS reading as many bytes (9/32 of the rows)
             if M <= 64:
                 t_eq = graph_time_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weq])

@@ -35,7 +35,8 @@ from kernels import _use_triton, hopper, triton
 if triton is not None:
     import triton.language as tl
 
-    from kernels import _dot, _ks_acc, _rows, _sk_acc, _store
+    from gemm.epilogue import _dot, _fixup, _rows, _store
+    from kernels import _ks_acc, _sk_acc
 
 # K tiles (128 columns) an xa program reads; 7B's q/k/v (28 tiles) gets 14 programs, down 74
 A_STEPS = 2
@@ -144,22 +145,9 @@ if triton is not None:
                 acc = _sk_acc(x_ptr, w_ptr, s_ptr, gs_ptr, n, m, M, NP, K, KT,
                               pid_k * TILES_PER_SPLIT, TILES_PER_SPLIT, stride_xm, BN, USE_ASM,
                               UNROLL, PEEL)                                # (BN, BM) fp32
-                out_mask = (n[:, None] < N) & (m[None, :] < M)
-                last = True
-                if SPLIT_K > 1:
-                    # kernels._nvfp4_mm_kernel's fix-up: the tile's last split adds them in order
-                    tile = pid_m * NTN + pid_n
-                    mp = NTM * BM                                          # padded token count
-                    tl.store(ws_ptr + (pid_k * mp + m[None, :]) * N + n[:, None], acc,
-                             mask=out_mask)
-                    tl.debug_barrier()
-                    last = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-                    if last:
-                        acc = tl.zeros((BN, BM), dtype=tl.float32)
-                        for s in range(0, SPLIT_K):
-                            acc += tl.load(ws_ptr + (s * mp + m[None, :]) * N + n[:, None],
-                                           mask=out_mask, other=0.0, cache_modifier=".cg")
-                        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+                # kernels._nvfp4_mm_kernel's fix-up: the tile's last split adds them in order
+                acc, last = _fixup(acc, n, m, M, N, ws_ptr, cnt_ptr, pid_n, pid_m, pid_k, NTN, NTM,
+                                   SPLIT_K)
                 if last:
                     _wait_xa(sync_ptr)
                     _store(acc, n, m, M, N, b_ptr, xa_ptr, lb_ptr, y_ptr, stride_ym, R,

@@ -22,6 +22,11 @@ from gemm import warp_specialized as kernels_ws
 CUDA = torch.cuda.is_available()
 
 
+def gemm_path(x2, w) -> str:
+    """Which GEMM kernels.nvfp4_mm runs for x2 (M, K) and w: "ws" (warp-specialized) or "triton"."""
+    return "triton" if K.ws_choice(x2, w) is None else "ws"
+
+
 def make_weight(N, Kdim, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     packed, scale, gs = Q.quantize_weight(torch.randn(N, Kdim, generator=g) * 0.05)
@@ -54,14 +59,14 @@ def test_dispatch_hopper_and_portable(fake_gpu, monkeypatch, M):
     x2 = types.SimpleNamespace(shape=(M, 3584), device=dev)
     monkeypatch.setattr(K, "PORTABLE", False)
     assert K.hopper(dev) and K.asm_mode(dev) == 1
-    assert K.gemm_path(x2, w) == ("ws" if M > K.WS_MIN_M else "triton")
+    assert gemm_path(x2, w) == ("ws" if M > K.WS_MIN_M else "triton")
     monkeypatch.setattr(K, "PORTABLE", True)
-    portable = (K.hopper(dev), K.asm_mode(dev), K.gemm_path(x2, w))
+    portable = (K.hopper(dev), K.asm_mode(dev), gemm_path(x2, w))
     assert portable == (False, 2, "triton")
     monkeypatch.setattr(K, "PORTABLE", False)
     for cap in ((8, 0), (8, 9), (12, 0)):                       # Ampere, Ada, Blackwell consumer
         dev = fake_gpu(cap)
-        assert (K.hopper(dev), K.asm_mode(dev), K.gemm_path(x2, w)) == portable
+        assert (K.hopper(dev), K.asm_mode(dev), gemm_path(x2, w)) == portable
 
 
 def test_switch_read_from_the_environment():
@@ -163,10 +168,10 @@ def test_portable_gemm_cuda(monkeypatch, M):
     N, Kd = 4608, 3584
     w = make_weight(N, Kd, device="cuda", seed=M)
     x = torch.randn(M, Kd, device="cuda").to(torch.bfloat16)
-    full_path = K.gemm_path(x, w)
+    full_path = gemm_path(x, w)
     full = K.nvfp4_mm(x, w)
     monkeypatch.setattr(K, "PORTABLE", True)
-    assert K.gemm_path(x, w) == "triton" and K.asm_mode(x.device) == 2
+    assert gemm_path(x, w) == "triton" and K.asm_mode(x.device) == 2
     y = K.nvfp4_mm(x, w)
     W = K.dequantize_ref(w)
     y32 = x.float() @ W.t()
