@@ -35,8 +35,9 @@ from kernels import _use_triton, hopper, triton
 if triton is not None:
     import triton.language as tl
 
-    from gemm.epilogue import _dot, _fixup, _rows, _store
+    from gemm.epilogue import _fixup, _rows, _store
     from kernels import _ks_acc, _sk_acc
+    from layers.shrink import _shrink_part
 
 # K tiles (128 columns) an xa program reads; 7B's q/k/v (28 tiles) gets 14 programs, down 74
 A_STEPS = 2
@@ -63,42 +64,6 @@ def nvfp4_mm_fused_a_ref(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: t
 
 
 if triton is not None:
-    @triton.jit
-    def _xa_part(x_ptr, a_ptr, xa_ptr, ws_ptr, cnt_ptr, sync_ptr, part, M, K, R, stride_xm,
-                 PA: tl.constexpr, STEPS: tl.constexpr, RP: tl.constexpr, BMA: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-        # xa program `part`: its K tiles' share of x @ A^T; the last of the PA adds the shares in
-        # program order, stores xa (M, R) and raises the ready flag
-        m = tl.arange(0, BMA)                                              # tokens
-        r = tl.arange(0, RP)                                               # rows of A
-        kk = tl.arange(0, 128)
-        acc = tl.zeros((RP, BMA), dtype=tl.float32)
-        for s in range(0, STEPS):
-            k = (part * STEPS + s) * 128 + kk                              # (128,) columns
-            a = tl.load(a_ptr + r[:, None] * K + k[None, :],
-                        mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)     # (RP, 128)
-            xt = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :],
-                         mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)   # (BMA, 128)
-            acc = _dot(a, tl.trans(xt), acc, USE_ASM)                      # (RP, BMA) fp32
-        out = xa_ptr + m[None, :] * R + r[:, None]                         # (RP, BMA) of (M, R)
-        out_mask = (r[:, None] < R) & (m[None, :] < M)
-        last = True
-        if PA > 1:
-            park = ws_ptr + (part * BMA + m[None, :]) * RP + r[:, None]
-            tl.store(park, acc)
-            tl.debug_barrier()
-            last = tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == PA - 1
-            if last:
-                acc = tl.zeros((RP, BMA), dtype=tl.float32)
-                for p in range(0, PA):
-                    acc += tl.load(ws_ptr + (p * BMA + m[None, :]) * RP + r[:, None],
-                                   cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")                  # ready for the next
-        if last:
-            tl.store(out, acc.to(xa_ptr.dtype.element_ty), mask=out_mask)
-            tl.debug_barrier()                                             # every thread's xa
-            tl.atomic_xchg(sync_ptr + 1, 1, sem="release")                 # before the flag
-
     @triton.jit
     def _tile_done(sync_ptr, NT):
         # an output tile is stored: the last of the NT puts the ticket, flag and count back
@@ -127,8 +92,12 @@ if triton is not None:
         # cnt[NTN * NTM] (after the GEMM tiles')
         ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")                 # sync: ticket, ready,
         if ticket < PA:                                                    # tiles done
-            _xa_part(x_ptr, a_ptr, xa_ptr, ws_ptr + WS_A, cnt_ptr + NTN * NTM, sync_ptr, ticket,
-                     M, K, R, stride_xm, PA, STEPS, RP, BMA, USE_ASM)
+            # xa program `ticket`: layers/shrink's split-K A product, its K range the ticket's;
+            # the one that stores xa raises the flag after every thread's store
+            if _shrink_part(x_ptr, a_ptr, xa_ptr, ws_ptr + WS_A, cnt_ptr + NTN * NTM, 0, ticket,
+                            1, M, K, R, stride_xm, STEPS, PA, BMA, RP, 128, USE_ASM == 0):
+                tl.debug_barrier()
+                tl.atomic_xchg(sync_ptr + 1, 1, sem="release")
         else:
             g = ticket - PA
             pid_n, pid_m, pid_k = g % NTN, (g // NTN) % NTM, g // (NTN * NTM)

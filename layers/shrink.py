@@ -62,10 +62,12 @@ def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, y_ptr, ws_ptr, cnt_ptr, M, K, R, stride_xm,
-                       STEPS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                       BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
-        pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    def _shrink_part(x_ptr, a_ptr, y_ptr, ws_ptr, cnt_ptr, pid_m, pid_k, NPM, M, K, R, stride_xm,
+                     STEPS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                     BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
+        # program (pid_m, pid_k) of NPM token blocks x SPLIT column ranges: its share of the
+        # token block's x @ A^T; the last of the SPLIT adds them in program order and stores y.
+        # Returns whether this program stored y (gemm/fused_a raises its flag after it)
         m = pid_m * BM + tl.arange(0, BM)                                  # tokens
         r = tl.arange(0, BR)                                               # adapter rows
         kk = tl.arange(0, BK)
@@ -82,22 +84,30 @@ if triton is not None:
                 acc = tl.dot(a, tl.trans(xt), acc)                         # (BR, BM) fp32
         out_mask = (r[:, None] < R) & (m[None, :] < M)
         y = y_ptr + m[None, :] * R + r[:, None]                            # (BR, BM) of (M, R)
+        last = True
         if SPLIT > 1:
-            mp = tl.num_programs(0) * BM                                   # padded token count
+            mp = NPM * BM                                                  # padded token count
             park = ws_ptr + (pid_k * mp + m[None, :]) * BR + r[:, None]
             tl.store(park, acc)
             tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel")
-            if done == SPLIT - 1:
+            last = tl.atomic_add(cnt_ptr + pid_m, 1, sem="acq_rel") == SPLIT - 1
+            if last:
                 # the last one adds every program's partial sum, in program order
                 acc = tl.zeros((BR, BM), dtype=tl.float32)
                 for p in range(0, SPLIT):
                     acc += tl.load(ws_ptr + (p * mp + m[None, :]) * BR + r[:, None],
                                    cache_modifier=".cg")
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
                 tl.atomic_xchg(cnt_ptr + pid_m, 0, sem="relaxed")      # ready for the next launch
-        else:
+        if last:
             tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        return last
+
+    @triton.jit
+    def _shrink_kernel(x_ptr, a_ptr, y_ptr, ws_ptr, cnt_ptr, M, K, R, stride_xm,
+                       STEPS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                       BR: tl.constexpr, BK: tl.constexpr, ON_CPU: tl.constexpr):
+        _shrink_part(x_ptr, a_ptr, y_ptr, ws_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1),
+                     tl.num_programs(0), M, K, R, stride_xm, STEPS, SPLIT, BM, BR, BK, ON_CPU)
 
 
 def _block(n: int) -> int:
