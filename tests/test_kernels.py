@@ -831,6 +831,7 @@ def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
     times |B| summed over R, on top of the output's own rounding. Twice the same bits; the ticket,
     flag and counters back at 0 after every launch."""
     from gemm import fused_a
+    from layers import shrink
     dev = DEVICES[0]
     N = 256 if gated else 96
     w, _ = make_weight(N, Kdim, seed=M + R, device=dev)
@@ -842,7 +843,7 @@ def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
     y = fused_a.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated)
     ref = fused_a.nvfp4_mm_fused_a_ref(x, w, A, B, bias, gated=gated)
     assert y is not None and y.shape == ref.shape == (M, gated or N) and y.dtype == torch.bfloat16
-    xa = layers_shrink().lora_shrink_ref(x, A).float()
+    xa = shrink.lora_shrink_ref(x, A).float()
     moved = 2.0 ** -7 * (xa.abs() @ B.float().abs().t())                # one xa ulp, through B
     if gated:
         moved = moved[:, :gated] + moved[:, N // 2:N // 2 + gated]      # through gate and up
@@ -866,11 +867,6 @@ def test_fused_a_product_gemm_declines_what_it_does_not_cover():
     x = torch.randn(65, 256).to(dev, torch.bfloat16)
     assert fused_a.nvfp4_mm_fused_a(x, w, A, B) is None
     assert fused_a.nvfp4_mm_fused_a(x[:2].float(), w, A, B) is None
-
-
-def layers_shrink():
-    from layers import shrink
-    return shrink
 
 
 def test_the_lora_path_benchmark_costs_each_round_against_its_own_adapters_off_run():
