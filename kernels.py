@@ -323,9 +323,7 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
     most is where they run for gate_up).
     use_asm=False runs the pure-Triton dequant twin on the GPU too (the tests compare the two)."""
     (M, K), (xa, lb, R) = x2.shape, lora_args(x2, w, lora)
-    if gated and not (0 < gated <= w.n // 2 and w.n % 256 == 0):
-        raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike "
-                         f"(N = {w.n})")
+    check_gated(gated, w)
     if (wcfg := ws_choice(x2, w, config, use_asm, gated)) is not None:
         # Hopper, 33..1023 tokens, enough tiles: warp-specialized
         return _ws().ws_mm(x2, w, bias, wcfg, lora=lora)
@@ -355,6 +353,13 @@ def nvfp4_mm(x2: torch.Tensor, w: NVFP4Weight, bias=None, config: dict | None = 
         M, N, w.words.shape[1], K, KT, per_split, x2.stride(0), y.stride(0), R,
         BM=BM, BN=BN, SPLIT_K=split, HAS_BIAS=bias is not None, RP=RP, USE_ASM=asm, **cfg)
     return y
+
+
+def check_gated(gated: int, w: NVFP4Weight) -> None:
+    """gated=I (SiLU x up of I columns) needs a fused gate_up: gate and up rows padded alike."""
+    if gated and not (0 < gated <= w.n // 2 and w.n % 256 == 0):
+        raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike "
+                         f"(N = {w.n})")
 
 
 def ws_choice(x2: torch.Tensor, w: NVFP4Weight, config=None, use_asm=None,

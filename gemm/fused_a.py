@@ -29,8 +29,8 @@ import torch
 
 import kernels
 from gemm.configs import mm_config, split_k
-from gemm.layout import INTERPRET, NVFP4Weight, workspace
-from kernels import _use_triton, hopper, triton
+from gemm.layout import NVFP4Weight, workspace
+from kernels import _use_triton, triton
 
 if triton is not None:
     import triton.language as tl
@@ -125,7 +125,7 @@ if triton is not None:
 
 
 def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch.Tensor,
-                     bias=None, gated: int = 0, use_asm: bool | None = None):
+                     bias=None, gated: int = 0):
     """kernels.nvfp4_mm(x2, w, bias, lora=(x2 @ A^T, B), gated=gated) in one launch: x2 (M, K)
     bf16 with M <= MAX_M, A (R, K), B (N, R), R <= 128. Returns None where that launch does not
     apply (more tokens, the warp-specialized GEMM's tokens, no Triton, another dtype); the caller
@@ -137,15 +137,11 @@ def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch
         return None
     if kernels.ws_choice(x2, w, gated=gated) is not None:
         return None
-    if gated and not (0 < gated <= N // 2 and N % 256 == 0):
-        raise ValueError(f"gated={gated} needs gate and up rows of a fused weight padded alike "
-                         f"(N = {N})")
+    kernels.check_gated(gated, w)
     cfg = mm_config(M, N, K)                                   # what kernels.nvfp4_mm would run
     BM, BN = cfg.pop("BM"), cfg.pop("BN")
     KS = cfg.pop("KS", 0)
     split, per_split = split_k(KT, cfg.pop("SPLIT_K", 1))
-    ptx = 1 if hopper(x2.device) else 2                                # as kernels.nvfp4_mm
-    asm = (0 if INTERPRET else ptx) if use_asm is None else ptx * bool(use_asm)
     RP = max(16, triton.next_power_of_2(R))
     BMA = max(16, triton.next_power_of_2(M))
     A = A.to(x2.dtype).contiguous()
@@ -160,7 +156,8 @@ def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch
         x2, w.words, w.scales, w.global_scale, bias if bias is not None else y, y, xa, B, A, ws,
         cnt, _sync(x2.device), M, N, w.words.shape[1], K, KT, per_split, x2.stride(0),
         y.stride(0), R, NTN, NTM, ws_a, BM=BM, BN=BN, KS=KS, SPLIT_K=split,
-        HAS_BIAS=bias is not None, USE_ASM=asm, RP=RP, PA=PA, STEPS=A_STEPS, BMA=BMA,
+        HAS_BIAS=bias is not None, USE_ASM=kernels.asm_mode(x2.device),
+        RP=RP, PA=PA, STEPS=A_STEPS, BMA=BMA,
         UNROLL=cfg.pop("UNROLL", 1), PEEL=cfg.pop("PEEL", 0), GATED=bool(gated),
         UP=N // 2 if gated else 0, I=gated, **cfg)
     return y
