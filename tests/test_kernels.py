@@ -820,7 +820,7 @@ def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
                                                 (8, 640, 96, 0), (2, 384, 64, 100),
                                                 (12, 512, 32, 0), (20, 640, 96, 100),
                                                 (40, 256, 16, 0)])
-def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
+def test_fused_a_product_gemm_against_two_launches(monkeypatch, M, Kdim, R, gated):
     """gemm/fused_a: the GEMM whose launch also makes xa = x @ A^T, against the two launches it
     replaces (lora_shrink_ref, then nvfp4_mm adding xa @ B^T in its epilogue): the K-sliced GEMM
     at 1-8 tokens, the split-K one at 12-40 (K split in 2 at 12 and 20: the tile's last split
@@ -840,6 +840,11 @@ def test_fused_a_product_gemm_against_two_launches(M, Kdim, R, gated):
     A = (0.05 * torch.randn(R, Kdim, generator=g)).to(dev, torch.bfloat16)
     B = (0.1 * torch.randn(N, R, generator=g)).to(dev, torch.bfloat16)
     bias = None if gated else torch.randn(N, generator=g).to(dev, torch.bfloat16)
+    if K.ws_choice(x, w, gated=gated) is not None:
+        # on Hopper 40 tokens run the warp-specialized GEMM, which the fused launch leaves to the
+        # two launches; with that GEMM's range moved past 64 tokens, the split-K one runs here too
+        assert fused_a.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated) is None
+        monkeypatch.setattr(K, "WS_MIN_M", fused_a.MAX_M)
     y = fused_a.nvfp4_mm_fused_a(x, w, A, B, bias, gated=gated)
     ref = fused_a.nvfp4_mm_fused_a_ref(x, w, A, B, bias, gated=gated)
     assert y is not None and y.shape == ref.shape == (M, gated or N) and y.dtype == torch.bfloat16
