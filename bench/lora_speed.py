@@ -39,13 +39,15 @@ import torch
 from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
                           random_model, random_nvfp4)
 
-# the rollout's LoRA paths: adapters on?, layers/shrink.ON, .NORM, .ATTN, .FUSED
-PATHS = {"off": (False, False, False, False, False), "cublas": (True, False, False, False, False),
-         "shrink": (True, True, False, False, False),
-         "shrink+norm": (True, True, True, False, False),
-         "shrink+norm+attn": (True, True, True, True, False),
-         "fused": (True, True, False, False, True)}
-SWITCHES = ("ON", "NORM", "ATTN", "FUSED")
+# the rollout's LoRA paths: adapters on?, layers/shrink.SHRINK_M (lora_shrink up to that many
+# tokens: every size, or none), .NORM, .ATTN, .FUSED
+ALWAYS = 1 << 30
+PATHS = {"off": (False, 0, False, False, False), "cublas": (True, 0, False, False, False),
+         "shrink": (True, ALWAYS, False, False, False),
+         "shrink+norm": (True, ALWAYS, True, False, False),
+         "shrink+norm+attn": (True, ALWAYS, True, True, False),
+         "fused": (True, ALWAYS, False, False, True)}
+SWITCHES = ("SHRINK_M", "NORM", "ATTN", "FUSED")
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}

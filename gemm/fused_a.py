@@ -21,9 +21,17 @@ program id promises no order; a ticket is drawn by a running program). The last 
 be finished puts the ticket, the ready flag and its own count back to 0 for the next launch or
 CUDA-graph replay.
 
+Measured (7B, rank 32, one H100; experiments/results/rollout-lora-h100/lora-paths-r2-*.log and
+profile-lora32-fused.log): slower than the GEMM plus the shrink's own launch, the adapter's cost
+29.8% against 23.4% at batch 1, 20.6% against 19.2% at 16; at batch 1 the step's 112 fused launches
+took 2.79 ms of kernels where the GEMMs and the shrinks took 2.41. That version read A 128 columns a
+step and was given 128 registers a thread where the GEMM alone takes 64 (A_BK below says why that
+matters); it now reads 16 and at one token takes no more than the GEMM (tests/test_portable.py;
+at 8 tokens still 95-126 registers against the GEMM's 70-96), not yet measured. Off unless
+NANOQERL_LORA_FUSED=1 (layers/shrink.FUSED).
+
 Leaves out: what runs on the warp-specialized GEMM (Hopper, 33 tokens and more where it wins:
-there the A product keeps its own launch), more than 64 tokens, autograd (generation only). Off
-unless NANOQERL_LORA_FUSED=1 (layers/shrink.FUSED) until the decode step is measured with it.
+there the A product keeps its own launch), more than 64 tokens, autograd (generation only).
 """
 import torch
 
@@ -39,8 +47,13 @@ if triton is not None:
     from kernels import _ks_acc, _sk_acc
     from layers.shrink import _shrink_part
 
-# K tiles (128 columns) an xa program reads; 7B's q/k/v (28 tiles) gets 14 programs, down 74
-A_STEPS = 2
+# an xa program reads A_STEPS blocks of A_BK columns: 256 columns, so 7B's q/k/v (3584) gets 14
+# programs, down (18944) 74. The blocks are narrow because the launch is allocated the registers of
+# its hungriest branch: with 128 columns a step the xa branch took 128 registers a thread where
+# the K-sliced GEMM alone takes 64-80 (sm_90, tests/test_portable.py), which halved the programs
+# an SM holds and slowed the whole batch-1 GEMM; with 16 it takes no more than the GEMM
+A_BK = 16
+A_STEPS = 16
 # the most tokens the fused launch takes (xa programs hold every token's row of xa)
 MAX_M = 64
 # device -> int32 [ticket, xa ready, GEMM programs done]; each launch leaves it at 0
@@ -85,8 +98,8 @@ if triton is not None:
                         R, NTN, NTM, WS_A, BM: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_ASM: tl.constexpr,
                         RP: tl.constexpr, PA: tl.constexpr, STEPS: tl.constexpr,
-                        BMA: tl.constexpr, UNROLL: tl.constexpr, PEEL: tl.constexpr,
-                        GATED: tl.constexpr, UP, I):
+                        BMA: tl.constexpr, BKA: tl.constexpr, UNROLL: tl.constexpr,
+                        PEEL: tl.constexpr, GATED: tl.constexpr, UP, I):
         # KS > 0: the K-sliced GEMM (one token tile, no split); else the split-K one. The xa
         # programs' partial sums sit in the workspace from float WS_A on, their count at
         # cnt[NTN * NTM] (after the GEMM tiles')
@@ -95,7 +108,7 @@ if triton is not None:
             # xa program `ticket`: layers/shrink's split-K A product, its K range the ticket's;
             # the one that stores xa raises the flag after every thread's store
             if _shrink_part(x_ptr, a_ptr, xa_ptr, ws_ptr + WS_A, cnt_ptr + NTN * NTM, 0, ticket,
-                            1, M, K, R, stride_xm, STEPS, PA, BMA, RP, 128, USE_ASM == 0):
+                            1, M, K, R, stride_xm, STEPS, PA, BMA, RP, BKA, USE_ASM == 0):
                 tl.debug_barrier()
                 tl.atomic_xchg(sync_ptr + 1, 1, sem="release")
         else:
@@ -148,7 +161,7 @@ def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch
     B = B.to(x2.dtype).contiguous()
     xa = torch.empty(M, R, dtype=x2.dtype, device=x2.device)
     y = torch.empty(M, gated or N, dtype=x2.dtype, device=x2.device)
-    PA = triton.cdiv(KT, A_STEPS)
+    PA = triton.cdiv(K, A_STEPS * A_BK)
     NTN, NTM = triton.cdiv(N, BN), triton.cdiv(M, BM)
     ws_a = split * NTM * BM * N if split > 1 else 0            # the GEMM's partial sums first
     ws, cnt = workspace(x2.device, ws_a + PA * BMA * RP, NTN * NTM + 1)
@@ -157,7 +170,7 @@ def nvfp4_mm_fused_a(x2: torch.Tensor, w: NVFP4Weight, A: torch.Tensor, B: torch
         cnt, _sync(x2.device), M, N, w.words.shape[1], K, KT, per_split, x2.stride(0),
         y.stride(0), R, NTN, NTM, ws_a, BM=BM, BN=BN, KS=KS, SPLIT_K=split,
         HAS_BIAS=bias is not None, USE_ASM=kernels.asm_mode(x2.device),
-        RP=RP, PA=PA, STEPS=A_STEPS, BMA=BMA,
+        RP=RP, PA=PA, STEPS=A_STEPS, BMA=BMA, BKA=A_BK,
         UNROLL=cfg.pop("UNROLL", 1), PEEL=cfg.pop("PEEL", 0), GATED=bool(gated),
         UP=N // 2 if gated else 0, I=gated, **cfg)
     return y

@@ -10,9 +10,11 @@ split-K GEMV and a separate reduction: two launches of about 5 us each where rea
 workspace; the last program to finish (a counter per token block, reset by that program) adds them
 up in program order, so the result does not depend on which program ends last, and writes xa in
 x's dtype. The same split-K fix-up as kernels.py's GEMM, without the dequantization.
-layers/linear.base_linear takes it for the generation snapshot's A product (a_product) when
-NANOQERL_LORA_SHRINK=1; off by default until the decode step is measured with it (cuBLAS's x @ A^T
-otherwise, as before).
+layers/linear.base_linear takes it for the generation snapshot's A product (a_product) up to
+SHRINK_M tokens, cuBLAS's x @ A^T above: by default 16, where the 7B decode step on an H100 was
+measured faster with it (the adapter's cost 22-23% against cuBLAS's 28-29% at batch 1, 19% against
+24% at 16, in two sessions; at 64, 19-20% against 19%: docs/BENCHMARKS.md). NANOQERL_LORA_SHRINK=1
+takes it at every size, =0 never.
 
 The A products of q/k/v and of gate/up read the output of the RMSNorm just before them: with
 NANOQERL_LORA_NORM=1 that norm computes them in its own launch (rms_norm_lora), so those two take no
@@ -20,12 +22,14 @@ launch of their own. Each program takes a block of tokens and a range of columns
 squares of its tokens' whole rows, then normalizes its own columns, stores them, and multiplies
 them by the same columns of A; the partial products meet as in lora_shrink. (A first version gave
 each program a block of A's rows and the whole row to walk: 6 programs for q/k/v at batch 1, and
-the decode step 1.75 ms slower, experiments/results/rollout-lora-h100/lora-paths-1.log.) Off by
-default, like the other, until measured.
+the decode step 1.75 ms slower, experiments/results/rollout-lora-h100/lora-paths-1.log.) This one
+still loses to the shrink alone: the adapter's cost 32.5% against 23.4% at batch 1, 31% against 19%
+at 16 (lora-paths-r2-*.log); off unless NANOQERL_LORA_NORM=1.
 With NANOQERL_LORA_ATTN=1 the decode attention's merge launch makes o_proj's A product the same way
 (layers/attention.decode_attention(a_next=)), where that launch runs (batches below the SM count).
 With NANOQERL_LORA_FUSED=1 a Triton GEMM of up to 64 tokens makes its own A product in its launch
-(gemm/fused_a), where no launch before made it.
+(gemm/fused_a), where no launch before made it; off by default (slower so far, gemm/fused_a says
+why).
 """
 import os
 
@@ -41,8 +45,9 @@ if triton is not None:
 # K columns a program step reads, and the most K steps one program takes
 BK = 128
 STEPS_PER_PROGRAM = 4
-# the generation snapshot's A product through lora_shrink (read at every call)
-ON = os.environ.get("NANOQERL_LORA_SHRINK") == "1"
+# up to how many tokens the generation snapshot's A product runs through lora_shrink (read at every
+# call): 16 unless NANOQERL_LORA_SHRINK says always (1) or never (0); 17-32 not measured yet
+SHRINK_M = {"1": 1 << 30, "0": 0}.get(os.environ.get("NANOQERL_LORA_SHRINK"), 16)
 # the A products of q/k/v and gate/up inside the norm before them (layers/linear.norm_for)
 NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
 # o_proj's A product inside the decode attention's merge launch (layers/linear.next_a)
@@ -137,9 +142,9 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 
 def a_product(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """The generation snapshot's A product, x (M, K) @ A (R, K)^T: lora_shrink where ON, else
-    cuBLAS."""
-    return lora_shrink(x, A) if ON else x @ A.t()
+    """The generation snapshot's A product, x (M, K) @ A (R, K)^T: lora_shrink up to SHRINK_M
+    tokens, else cuBLAS."""
+    return lora_shrink(x, A) if x.shape[0] <= SHRINK_M else x @ A.t()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ On CPU the kernels run under TRITON_INTERPRET=1 (set in conftest) with the pure-
 twin of the PTX; on a CUDA machine the same tests run the real kernels (PTX dequant, wgmma), plus
 the 7B shapes.
 """
+import os
+
 import pytest
 import torch
 
@@ -761,16 +763,30 @@ def test_lora_shrink_against_reference(monkeypatch, M, Kdim, R):
     assert int(layout._WS[x.device][1].sum()) == 0
 
 
-def test_a_product_is_cublas_unless_switched_on(monkeypatch):
-    from layers import shrink
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    A = torch.randn(8, 64).to(torch.bfloat16)
-    calls = []
-    monkeypatch.setattr(shrink, "lora_shrink", lambda x, A: calls.append(1) or x @ A.t())
-    assert torch.equal(shrink.a_product(x, A), x @ A.t()) and calls == []
-    monkeypatch.setattr(shrink, "ON", True)
-    shrink.a_product(x, A)
-    assert calls == [1]
+def test_a_product_is_the_shrink_up_to_16_tokens_unless_switched():
+    """layers/shrink.a_product: lora_shrink up to 16 tokens by default, cuBLAS's x @ A^T above;
+    NANOQERL_LORA_SHRINK=1 the shrink at every size, =0 never (read at import: fresh
+    interpreters)."""
+    import subprocess
+    import sys
+    code = """
+import torch
+from layers import shrink
+calls = []
+shrink.lora_shrink = lambda x, A: calls.append(x.shape[0]) or x @ A.t()
+A = torch.randn(8, 64).to(torch.bfloat16)
+for m in (1, 16, 17, 64):
+    shrink.a_product(torch.randn(m, 64).to(torch.bfloat16), A)
+print(calls)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for value, want in ((None, "[1, 16]"), ("1", "[1, 16, 17, 64]"), ("0", "[]")):
+        env = {k: v for k, v in os.environ.items() if k != "NANOQERL_LORA_SHRINK"}
+        if value is not None:
+            env["NANOQERL_LORA_SHRINK"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True,
+                             capture_output=True, text=True)
+        assert out.stdout.strip().splitlines()[-1] == want, (value, out.stdout)
 
 
 @pytest.mark.parametrize("M, H, R, res, noise", [(1, 256, 96, True, False),
@@ -825,7 +841,7 @@ def test_fused_a_product_gemm_against_two_launches(monkeypatch, M, Kdim, R, gate
     replaces (lora_shrink_ref, then nvfp4_mm adding xa @ B^T in its epilogue): the K-sliced GEMM
     at 1-8 tokens, the split-K one at 12-40 (K split in 2 at 12 and 20: the tile's last split
     waits for xa; no split at 40), xa over 1-3 programs (K = 128 / 256-640: 1 / 1-3
-    programs of 2 K tiles, the last one ragged at 640), R up to 128 (96 pads to 128), plain and
+    programs of 256 columns, the last one ragged at 640), R up to 128 (96 pads to 128), plain and
     gated (silu(gate) * up). xa's fp32
     sums come in another order and may round one bf16 ulp apart; then y moves by up to that ulp
     times |B| summed over R, on top of the output's own rounding. Twice the same bits; the ticket,

@@ -87,24 +87,34 @@ def test_switch_read_from_the_environment():
 
 # Each case: (kernel, capability, constexprs, warps, stages), compiled in a fresh interpreter with
 # the Triton interpreter off (under TRITON_INTERPRET=1, as in these tests, @triton.jit gives
-# functions that cannot compile).
+# functions that cannot compile). A kernel is named in kernels.py, or as "module:name". Each
+# answer: [shared memory in bytes, registers a thread], the registers from the bundled ptxas's
+# report on the PTX (what the GPU's driver would allocate), or the compiler's error.
 COMPILE = """
-import json, sys
+import importlib, json, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-import kernels
 PTRS = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "gs_ptr": "*fp32", "b_ptr": "*bf16",
         "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "xa_ptr": "*bf16",
-        "lb_ptr": "*bf16", "out_ptr": "*bf16"}
+        "lb_ptr": "*bf16", "out_ptr": "*bf16", "a_ptr": "*bf16", "sync_ptr": "*i32"}
+def registers(ptx, cap):
+    arch = re.search(r"^\\.target\\s+(\\w+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as d:
+        open(d + "/k.ptx", "w").write(ptx)
+        r = subprocess.run([get_ptxas(cap).path, "-v", "-arch=" + arch, d + "/k.ptx", "-o",
+                            d + "/k.cubin"], capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\\d+) registers", r.stderr).group(1))
 out = []
 for name, cap, consts, warps, stages in json.loads(sys.argv[1]):
-    kernel = getattr(kernels, name)
+    module, _, name = name.rpartition(":")
+    kernel = getattr(importlib.import_module(module or "kernels"), name)
     sig = {a: PTRS.get(a, "constexpr" if a in consts else "i32") for a in kernel.arg_names}
     try:
         c = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", cap, 32),
                            options=dict(num_warps=warps, num_stages=stages))
-        out.append(c.metadata.shared)
+        out.append([c.metadata.shared, registers(c.asm["ptx"], cap)])
     except Exception as e:
         out.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
 print(json.dumps(out))
@@ -112,8 +122,8 @@ print(json.dumps(out))
 
 
 def compile_offline(cases) -> list:
-    """Shared memory in bytes of each case's compiled kernel (sm_<cap>, no GPU: Triton's bundled
-    ptxas), or the first line of the compiler's error."""
+    """[shared memory in bytes, registers a thread] of each case's compiled kernel (sm_<cap>, no
+    GPU: Triton's bundled ptxas), or the first line of the compiler's error."""
     import json
     import subprocess
     import sys
@@ -150,9 +160,36 @@ def test_kernels_compile_for_other_gpus():
     cases += [("_nvfp4_mm_kernel", cap, {**MM, "USE_ASM": 2}, 8, 4) for cap in (80, 89, 100)]
     cases.append(("_nvfp4_dequant_kernel", 80, {**DQ, "USE_ASM": 1}, 4, 3))
     got = compile_offline(cases)
-    for case, shared in zip(cases[:-1], got[:-1]):
-        assert isinstance(shared, int) and shared <= SMEM[case[1]], (case, shared)
+    for case, compiled in zip(cases[:-1], got[:-1]):
+        assert isinstance(compiled, list) and compiled[0] <= SMEM[case[1]], (case, compiled)
     assert isinstance(got[-1], str), got[-1]  # a compile error, not bytes
+
+
+@pytest.mark.skipif(K.triton is None, reason="needs Triton")
+def test_the_fused_a_product_launch_needs_no_more_registers_than_the_gemm_alone():
+    """gemm/fused_a at one token (the 7B's q/k/v with bias and gate/up with SiLU x up, rank 32,
+    Hopper's PTX): a launch is given the registers of its hungriest branch, so the xa programs'
+    branch must not ask for more than the K-sliced GEMM does alone, else an SM holds fewer GEMM
+    programs and the weights stream slower. With 128 columns of A a step the fused launch took
+    128 registers a thread against the GEMM's 64 and ran 2.8 ms of a batch-1 step's GEMMs where
+    the GEMM and the A product's own launch took 2.4 (docs/BENCHMARKS.md)."""
+    from gemm import fused_a
+    from gemm.configs import mm_config
+    cases = []
+    for N, Kdim, bias, gated in ((4608, 3584, True, False), (37888, 3584, False, True)):
+        cfg = mm_config(1, N, Kdim)
+        common = dict(BM=cfg["BM"], BN=cfg["BN"], KS=cfg["KS"], HAS_BIAS=bias, USE_ASM=1, RP=32,
+                      GATED=gated)
+        fused = dict(common, SPLIT_K=1, PA=-(-Kdim // (fused_a.A_STEPS * fused_a.A_BK)),
+                     STEPS=fused_a.A_STEPS, BMA=16, BKA=fused_a.A_BK, UNROLL=1, PEEL=0)
+        launch = (cfg["num_warps"], cfg["num_stages"])
+        cases += [("_nvfp4_mm_ks_kernel", 90, common, *launch),
+                  ("gemm.fused_a:_fused_a_kernel", 90, fused, *launch)]
+    got = compile_offline(cases)
+    assert all(isinstance(g, list) for g in got), got
+    for i in range(0, len(got), 2):
+        (_, alone), (_, with_xa) = got[i], got[i + 1]
+        assert with_xa <= alone, (cases[i][2], alone, with_xa)
 
 
 # --------------------------------------------------------------------------------------------------
