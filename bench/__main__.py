@@ -171,6 +171,10 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write all numbers to this JSON file")
     args = ap.parse_args(argv)
     print("config:", json.dumps(vars(args)))
+    from bench.lora_speed import SWITCHES
+    from layers import shrink
+    # the environment's LoRA A-product switches (NANOQERL_LORA_*), which the config above omits
+    print("lora switches:", json.dumps({k: getattr(shrink, k) for k in SWITCHES}))
     if args.rounds < 1:
         print(f"error: --rounds must be >= 1, got {args.rounds}", file=sys.stderr)
         return 2
