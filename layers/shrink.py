@@ -45,6 +45,9 @@ if triton is not None:
 # K columns a program step reads, and the most K steps one program takes
 BK = 128
 STEPS_PER_PROGRAM = 4
+# another config, timed beside this one by `python -m bench kernels --parts lora`: for q/k/v's 96
+# rows (padded to 128) the one above spills 784 bytes a thread on sm_90, this one none
+NO_SPILL = dict(BK=32, STEPS=16, num_warps=8)
 # up to how many tokens the generation snapshot's A product runs through lora_shrink (read at every
 # call): 16 unless NANOQERL_LORA_SHRINK says always (1) or never (0); 17-32 not measured yet
 SHRINK_M = {"1": 1 << 30, "0": 0}.get(os.environ.get("NANOQERL_LORA_SHRINK"), 16)
@@ -57,7 +60,13 @@ FUSED = os.environ.get("NANOQERL_LORA_FUSED") == "1"
 # token rows a program of rms_norm_lora takes (tl.dot's smallest side), and its most K steps: each
 # program reads its token rows whole for their sum of squares, so it takes fewer, longer ranges
 NORM_BM = 16
-NORM_STEPS = 2
+# columns a step of rms_norm_lora (256 a program) and its warps: with 128 columns a step, 4 warps,
+# the (16 x 128) by (128 x 128) product of q/k/v's three adapters took 255 registers a thread and
+# spilled 980 bytes (compiled offline for sm_90: tests/test_portable.py), which is where its launch
+# lost to the norm and the shrink apart; 32 columns and 8 warps take 108 and spill nothing
+NORM_BK = 32
+NORM_STEPS = 8
+NORM_WARPS = 8
 
 
 def lora_shrink_ref(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -120,24 +129,26 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def lora_shrink(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, A: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x (M, K) @ A (R, K)^T -> (M, R) in x's dtype: one launch (Triton) for bf16 / fp16 x and
-    R <= 128, else, or where Triton does not run, the reference."""
+    R <= 128, else, or where Triton does not run, the reference. config (benchmarks): BK, STEPS
+    (the most K steps a program takes), num_warps, in place of BK, STEPS_PER_PROGRAM and 4."""
     M, K = x.shape
     R = A.shape[0]
     half = x.dtype in (torch.bfloat16, torch.float16)
     if not (_use_triton(x) and half and R <= 128 and A.shape[1] == K and x.stride(1) == 1):
         return lora_shrink_ref(x, A)
     A = A.to(x.dtype).contiguous()
+    cfg = {"BK": BK, "STEPS": STEPS_PER_PROGRAM, "num_warps": 4, **(config or {})}
     BM, BR = min(_block(M), 64), _block(R)
-    tiles = triton.cdiv(K, BK)
-    split = triton.cdiv(tiles, STEPS_PER_PROGRAM)
+    tiles = triton.cdiv(K, cfg["BK"])
+    split = triton.cdiv(tiles, cfg["STEPS"])
     steps = triton.cdiv(tiles, split)
     grid = (triton.cdiv(M, BM), split)
     ws, cnt = workspace(x.device, split * grid[0] * BM * BR if split > 1 else 0, grid[0])
     y = torch.empty(M, R, device=x.device, dtype=x.dtype)
     _shrink_kernel[grid](x, A, y, ws, cnt, M, K, R, x.stride(0), STEPS=steps, SPLIT=split, BM=BM,
-                         BR=BR, BK=BK, ON_CPU=not x.is_cuda)
+                         BR=BR, BK=cfg["BK"], ON_CPU=not x.is_cuda, num_warps=cfg["num_warps"])
     return y
 
 
@@ -252,13 +263,13 @@ def rms_norm_lora(x, weight, eps: float, noise, residual, A):
     z = noise.contiguous() if noise is not None else weight
     A = A.to(x.dtype).contiguous()
     BM, BR = NORM_BM, _block(R)
-    tiles = triton.cdiv(H, BK)
+    tiles = triton.cdiv(H, NORM_BK)
     split = triton.cdiv(tiles, NORM_STEPS)
     steps = triton.cdiv(tiles, split)
     grid = (triton.cdiv(M, BM), split)
     ws, cnt = workspace(x.device, split * grid[0] * BM * BR if split > 1 else 0, grid[0])
     _norm_lora_kernel[grid](x2, r2, weight, z, y, h, A, xa, ws, cnt, M, H, R, eps, STEPS=steps,
                             SPLIT=split, HAS_RES=residual is not None,
-                            HAS_NOISE=noise is not None, BM=BM, BR=BR, BK=BK,
-                            ON_CPU=not x.is_cuda)
+                            HAS_NOISE=noise is not None, BM=BM, BR=BR, BK=NORM_BK,
+                            ON_CPU=not x.is_cuda, num_warps=NORM_WARPS)
     return (y.reshape(x.shape), h.reshape(x.shape) if residual is not None else None, xa)
