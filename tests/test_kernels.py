@@ -800,13 +800,14 @@ print(calls)
                                                  (33, 136, 64, True, True),
                                                  (2, 640, 128, True, False)])
 def test_rms_norm_lora_against_reference(monkeypatch, M, H, R, res, noise):
-    """The RMSNorm with the next group's A product in its launch against ops.rms_norm_ref and fp32
-    math: tokens over 1-3 blocks, the columns over 1-3 programs (H = 640: 20 steps of 32, 7 a
-    program, the last program's range ragged; H = 200 and 136 not a multiple of the step), A's
-    rows padded to the block (R = 40 -> 64), with and without the residual add and AQN noise. y and h: the sum of
-    squares in another order moves rstd in its last bits, which can move a bf16 rounding by one
-    ulp; the CPU interpreter truncates its bf16 casts (4 ulps there, as test_rms_norm_forward
-    says). xa: fp32 sums in another order, then one bf16 rounding (2 ulps, as lora_shrink's)."""
+    """The RMSNorm with the next group's A product in its launch against ops.rms_norm_ref and
+    fp32 math: tokens over 1-3 blocks, the columns over 1-3 programs (H = 640: 20 steps of 32, 7
+    a program, the last program's range ragged; H = 200 and 136 not a multiple of the step), A's
+    rows padded to the block (R = 40 -> 64), with and without the residual add and AQN noise. y
+    and h: the sum of squares in another order moves rstd in its last bits, which can move a
+    bf16 rounding by one ulp; the CPU interpreter truncates its bf16 casts (4 ulps there, as
+    test_rms_norm_forward says). xa: fp32 sums in another order, then one bf16 rounding (2 ulps,
+    as lora_shrink's)."""
     from layers import shrink
     dev = DEVICES[0]
     g = torch.Generator().manual_seed(M * 100 + R)
