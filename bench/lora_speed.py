@@ -25,7 +25,8 @@ Prints one row per (group, M) and adds the rows to --json.
 
 rollout_paths: the same question for the engine's whole rollout, in one process on one model (NVFP4,
 random weights, a random nonzero LoRA on every linear): tokens/s with the adapters off and on
-through each way of the A product (cuBLAS; layers/shrink.lora_shrink at every size; also
+through each way of the A product (cuBLAS; layers/shrink.lora_shrink at every size, "shrink2"
+with its no-spill config; also
 the norm-fused products of NANOQERL_LORA_NORM=1, and o_proj's made by the decode attention,
 NANOQERL_LORA_ATTN=1; "fused": each A product in its GEMM's launch up to 64 tokens, gemm/fused_a,
 NANOQERL_LORA_FUSED=1, the one-launch shrink above), every path (or those of --paths) timed once a
@@ -39,16 +40,19 @@ import torch
 
 from bench.common import (SHAPES_32B, SHAPES_7B, copies_for, copy_bandwidth, paired_us,
                           random_model, random_nvfp4)
+from layers.shrink import NO_SPILL
 
 # the rollout's LoRA paths: adapters on?, layers/shrink.SHRINK_M (lora_shrink up to that many
-# tokens: every size, or none), .NORM, .ATTN, .FUSED
+# tokens: every size, or none), .NORM, .ATTN, .FUSED, .CONFIG (lora_shrink's config)
 ALWAYS = 1 << 30
-PATHS = {"off": (False, 0, False, False, False), "cublas": (True, 0, False, False, False),
-         "shrink": (True, ALWAYS, False, False, False),
-         "shrink+norm": (True, ALWAYS, True, False, False),
-         "shrink+norm+attn": (True, ALWAYS, True, True, False),
-         "fused": (True, ALWAYS, False, False, True)}
-SWITCHES = ("SHRINK_M", "NORM", "ATTN", "FUSED")
+PATHS = {"off": (False, 0, False, False, False, None),
+         "cublas": (True, 0, False, False, False, None),
+         "shrink": (True, ALWAYS, False, False, False, None),
+         "shrink2": (True, ALWAYS, False, False, False, NO_SPILL),
+         "shrink+norm": (True, ALWAYS, True, False, False, None),
+         "shrink+norm+attn": (True, ALWAYS, True, True, False, None),
+         "fused": (True, ALWAYS, False, False, True, None)}
+SWITCHES = ("SHRINK_M", "NORM", "ATTN", "FUSED", "CONFIG")
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
@@ -56,7 +60,7 @@ MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
 
 def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
     import kernels
-    from layers.shrink import NO_SPILL, lora_shrink
+    from layers.shrink import lora_shrink
 
     bw = out.get("copy_GBps") or copy_bandwidth()
     shapes = SHAPES_32B if size == "32b" else SHAPES_7B

@@ -47,7 +47,10 @@ BK = 128
 STEPS_PER_PROGRAM = 4
 # another config, timed beside this one by `python -m bench kernels --parts lora`: for q/k/v's 96
 # rows (padded to 128) the one above spills 784 bytes a thread on sm_90, this one none
-NO_SPILL = dict(BK=32, STEPS=16, num_warps=8)
+NO_SPILL = {"BK": 32, "STEPS": 16, "num_warps": 8}
+# the config a_product's lora_shrink takes (None: the one above; the rollout benchmark's path
+# "shrink2" sets NO_SPILL)
+CONFIG = None
 # up to how many tokens the generation snapshot's A product runs through lora_shrink (read at every
 # call): 16 unless NANOQERL_LORA_SHRINK says always (1) or never (0); 17-32 not measured yet
 SHRINK_M = {"1": 1 << 30, "0": 0}.get(os.environ.get("NANOQERL_LORA_SHRINK"), 16)
@@ -155,7 +158,7 @@ def lora_shrink(x: torch.Tensor, A: torch.Tensor, config: dict | None = None) ->
 def a_product(x: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """The generation snapshot's A product, x (M, K) @ A (R, K)^T: lora_shrink up to SHRINK_M
     tokens, else cuBLAS."""
-    return lora_shrink(x, A) if x.shape[0] <= SHRINK_M else x @ A.t()
+    return lora_shrink(x, A, CONFIG) if x.shape[0] <= SHRINK_M else x @ A.t()
 
 
 # --------------------------------------------------------------------------------------------------

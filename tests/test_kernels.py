@@ -778,7 +778,7 @@ def test_a_product_is_the_shrink_up_to_16_tokens_unless_switched():
 import torch
 from layers import shrink
 calls = []
-shrink.lora_shrink = lambda x, A: calls.append(x.shape[0]) or x @ A.t()
+shrink.lora_shrink = lambda x, A, config=None: calls.append(x.shape[0]) or x @ A.t()
 A = torch.randn(8, 64).to(torch.bfloat16)
 for m in (1, 16, 17, 64):
     shrink.a_product(torch.randn(m, 64).to(torch.bfloat16), A)
