@@ -50,8 +50,8 @@ if triton is not None:
 # an xa program reads A_STEPS blocks of A_BK columns: 256 columns, so 7B's q/k/v (3584) gets 14
 # programs, down (18944) 74. The blocks are narrow because the launch is allocated the registers of
 # its hungriest branch: with 128 columns a step the xa branch took 128 registers a thread where
-# the K-sliced GEMM alone takes 64-80 (sm_90, tests/test_portable.py), which halved the programs
-# an SM holds and slowed the whole batch-1 GEMM; with 16 it takes no more than the GEMM
+# the K-sliced GEMM alone takes 64-80 (sm_90, tests/test_portable.py), which halves the programs
+# an SM holds, likely why the batch-1 GEMMs ran slower; with 16 it takes no more than the GEMM
 A_BK = 16
 A_STEPS = 16
 # the most tokens the fused launch takes (xa programs hold every token's row of xa)

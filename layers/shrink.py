@@ -60,13 +60,13 @@ NORM = os.environ.get("NANOQERL_LORA_NORM") == "1"
 ATTN = os.environ.get("NANOQERL_LORA_ATTN") == "1"
 # up to 64 tokens, each A product inside its GEMM's own launch (gemm/fused_a, layers/linear)
 FUSED = os.environ.get("NANOQERL_LORA_FUSED") == "1"
-# token rows a program of rms_norm_lora takes (tl.dot's smallest side), and its most K steps: each
-# program reads its token rows whole for their sum of squares, so it takes fewer, longer ranges
+# token rows a program of rms_norm_lora takes (tl.dot's smallest side); each program reads its
+# token rows whole for their sum of squares, so it takes fewer, longer column ranges than the shrink
 NORM_BM = 16
 # columns a step of rms_norm_lora (256 a program) and its warps: with 128 columns a step, 4 warps,
 # the (16 x 128) by (128 x 128) product of q/k/v's three adapters took 255 registers a thread and
-# spilled 980 bytes (compiled offline for sm_90: tests/test_portable.py), which is where its launch
-# lost to the norm and the shrink apart; 32 columns and 8 warps take 108 and spill nothing
+# spilled 980 bytes (compiled offline for sm_90: tests/test_portable.py), the likely reason its
+# launch lost to the norm and the shrink apart; 32 columns and 8 warps take 108 and spill nothing
 NORM_BK = 32
 NORM_STEPS = 8
 NORM_WARPS = 8
