@@ -13,7 +13,9 @@ decode tokens, CUDA-graph times (bench/common.paired_us, every side replayed in 
     xAt          x @ At with At = A^T stored contiguous (K, R)
     (Ax^T)^T     A @ x^T, transposed: the other operand order
     shrink       layers/shrink.lora_shrink: one Triton launch (split-K fixed up by its last program)
-    shrink2      lora_shrink with layers/shrink.NO_SPILL's config (32 columns a step, 8 warps)
+    best cfg     the fastest of lora_shrink's other configs (SHRINK_SWEEP, layers/shrink.NO_SPILL
+                 first), its time and name (columns a step x steps a program, warps); every
+                 config's time in the JSON rows
     read A       the bytes of A at the measured copy bandwidth: the floor of any A product
 Then the norm before q/k/v and gate/up (norm_rows): alone, followed by the A product (cuBLAS,
 shrink), and with it in the same launch (layers/shrink.rms_norm_lora).
@@ -56,6 +58,15 @@ SWITCHES = ("SHRINK_M", "NORM", "ATTN", "FUSED", "CONFIG")
 
 # rank multiples of each fused group: q/k/v and gate/up stack their members' A
 MEMBERS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+# lora_shrink's configs timed beside its default (layers/shrink.BK, STEPS_PER_PROGRAM, 4 warps):
+# columns a step x the most steps a program takes (so, programs over K), warps. Named BKxSTEPSwW
+SHRINK_SWEEP = [NO_SPILL, {"BK": 32, "STEPS": 8, "num_warps": 8},
+                {"BK": 32, "STEPS": 4, "num_warps": 4}, {"BK": 64, "STEPS": 4, "num_warps": 8},
+                {"BK": 32, "STEPS": 32, "num_warps": 8}, {"BK": 16, "STEPS": 16, "num_warps": 4}]
+
+
+def config_name(c: dict) -> str:
+    return f"{c['BK']}x{c['STEPS']}w{c['num_warps']}"
 
 
 def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
@@ -67,7 +78,7 @@ def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
     rows = []
     print(f"LoRA rank {rank} in the decode step's fused linears ({size}), microseconds a call")
     print(f"{'group':>8} {'M':>3} {'gemm':>7} {'gemm+B':>7} {'xA^T':>7} {'xAt':>7} "
-          f"{'(Ax^T)^T':>9} {'shrink':>7} {'shrink2':>7} {'read A':>7} {'LoRA share':>10}")
+          f"{'(Ax^T)^T':>9} {'shrink':>7} {'best cfg':>16} {'read A':>7} {'LoRA share':>10}")
     for name, (N, K) in shapes.items():
         R = rank * MEMBERS[name]
         _, wq = random_nvfp4(N, K, copies_for(N * K * 9 // 16))
@@ -79,24 +90,26 @@ def lora(out: dict, Ms=(1, 16, 64), size: str = "7b", rank: int = 32):
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)      # (M, K)
             xa = torch.randn(M, R, device="cuda", dtype=torch.bfloat16)     # (M, R)
-            t_gemm, t_b, t_now, t_nn, t_rev, t_shrink, t_shrink2 = paired_us(
+            t_gemm, t_b, t_now, t_nn, t_rev, t_shrink, *t_sweep = paired_us(
                 [lambda w=w: kernels.nvfp4_mm(x, w) for w in wq],
                 [lambda w=w, b=b: kernels.nvfp4_mm(x, w, lora=(xa, b)) for w, b in zip(wq, B)],
                 [lambda a=a: x @ a.t() for a in A],
                 [lambda a=a: x @ a for a in At],
                 [lambda a=a: (a @ x.t()).t() for a in A],
                 [lambda a=a: lora_shrink(x, a) for a in A],
-                [lambda a=a: lora_shrink(x, a, NO_SPILL) for a in A])
+                *[[lambda a=a, c=c: lora_shrink(x, a, c) for a in A] for c in SHRINK_SWEEP])
+            sweep = {config_name(c): t for c, t in zip(SHRINK_SWEEP, t_sweep)}
+            best = min(sweep, key=sweep.get)
             t_read = R * K * 2 / bw / 1e3                                   # bytes / (GB/s) in us
-            share = (t_b - t_gemm + min(t_now, t_nn, t_rev, t_shrink, t_shrink2)) / t_gemm
+            share = (t_b - t_gemm + min(t_now, t_nn, t_rev, t_shrink, sweep[best])) / t_gemm
             row = dict(group=name, M=M, rank=rank, R=R, K=K, N=N, gemm_us=t_gemm,
                        gemm_lora_b_us=t_b, a_xAT_us=t_now, a_xAt_us=t_nn, a_AxT_us=t_rev,
-                       a_shrink_us=t_shrink, a_shrink_no_spill_us=t_shrink2, read_a_us=t_read,
+                       a_shrink_us=t_shrink, a_shrink_configs_us=sweep, read_a_us=t_read,
                        lora_share_best_a=share,
                        lora_share_today=(t_b - t_gemm + t_now) / t_gemm)
             rows.append(row)
             print(f"{name:>8} {M:>3} {t_gemm:7.2f} {t_b:7.2f} {t_now:7.2f} {t_nn:7.2f} "
-                  f"{t_rev:9.2f} {t_shrink:7.2f} {t_shrink2:7.2f} {t_read:7.2f} "
+                  f"{t_rev:9.2f} {t_shrink:7.2f} {sweep[best]:7.2f} {best:>8} {t_read:7.2f} "
                   f"{100 * share:9.1f}%")
     out["lora"] = rows
     out["lora_norm"] = norm_rows(Ms, shapes, rank)

@@ -761,11 +761,13 @@ def test_lora_shrink_against_reference(monkeypatch, M, Kdim, R):
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
     assert torch.equal(shrink.lora_shrink(x, A), got)
     assert int(layout._WS[x.device][1].sum()) == 0
-    # the config the benchmark times beside it (32 columns a step: K = 1000 over 2 programs of 16
-    # steps, the last ragged), within the same 2 ulps
-    other = shrink.lora_shrink(x, A, shrink.NO_SPILL)
-    torch.testing.assert_close(other.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
-    assert int(layout._WS[x.device][1].sum()) == 0
+    # the configs the benchmark times beside it (16-64 columns a step, 4-32 steps a program: K =
+    # 1000 over 1-8 programs, the last ragged), within the same 2 ulps
+    from bench.lora_speed import SHRINK_SWEEP
+    for config in SHRINK_SWEEP:
+        other = shrink.lora_shrink(x, A, config)
+        torch.testing.assert_close(other.float(), ref.float(), rtol=2 ** -6, atol=1e-3)
+        assert int(layout._WS[x.device][1].sum()) == 0
 
 
 def test_a_product_is_the_shrink_up_to_16_tokens_unless_switched():
